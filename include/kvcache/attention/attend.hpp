@@ -1,0 +1,53 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvcache::attend: the one attention entry point. It takes queries and a view of any cache policy
+// (never a cache) and runs the fast CPU kernel.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "kvcache/attention/cpu.hpp"
+#include "kvcache/attention/options.hpp"
+#include "kvcache/core/tensor.hpp"
+#include "kvcache/core/view.hpp"
+
+namespace kvcache {
+
+/// Softmax attention of new queries over one layer of one cached sequence.
+///
+/// out[t][h] = sum_i softmax_i(s_ti) v_i over the keys i the mask lets query t see, where
+/// s_ti = scale * q[t][h] . k_i (then soft-capped if opts.softcap > 0), and query head h reads
+/// KV head h / (num_q_heads / num_kv_heads) (GQA/MQA). Query t sits at absolute position
+/// opts.query_pos (default view.length() - n) + t; causal masking, the window and the sinks
+/// compare that with each key's absolute position from the view. Accumulates in fp32.
+///
+/// Shapes: q and out [n][num_q_heads][head_dim]; num_q_heads a multiple of the view's
+/// num_kv_heads; head_dim equal to the view's (at most cpu::kMaxHeadDim).
+/// @pre every key position a query may see is in the view (checked: views of a sliding window
+///      must be read with the cache's window and num_sink_tokens).
+/// @throws shape_error, position_error naming the numbers; nothing is written on throw.
+template <KVView V>
+void attend(TokenBlock<const float> q, const V& view, TokenBlock<float> out,
+            const AttentionOptions& opts = {}) {
+  cpu::attend(q, view, out, opts);
+}
+
+/// attend() returning a new [n][num_q_heads][head_dim] output (allocates it).
+template <KVView V>
+[[nodiscard]] std::vector<float> attend(TokenBlock<const float> q, const V& view,
+                                        const AttentionOptions& opts = {}) {
+  std::vector<float> out(q.num_tokens * q.num_heads * q.head_dim);
+  attend(q, view, TokenBlock<float>{out, q.num_tokens, q.num_heads, q.head_dim}, opts);
+  return out;
+}
+
+/// attend() for many sequences in one call (e.g. batched decode): with opts.pool set, the work
+/// is spread over (sequence, KV head, query-row block). Each task carries its own query_pos;
+/// opts.query_pos is ignored.
+template <KVView V>
+void attend_batch(std::span<const AttentionTask<V>> tasks, const AttentionOptions& opts = {}) {
+  cpu::attend_batch(tasks, opts);
+}
+
+}  // namespace kvcache

@@ -1,0 +1,333 @@
+// SPDX-License-Identifier: Apache-2.0
+// The fast CPU attention kernel: one pass over the cached K/V with an online (flash-attention)
+// softmax, tiles of kTile keys, all query heads of one KV head sharing every K/V row read, fp16 and
+// bf16 read directly. Work is split into (sequence, KV head, block of query rows) tasks that an
+// optional caller-owned ThreadPool runs in parallel.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "kvcache/attention/cpu_avx2.hpp"
+#include "kvcache/attention/options.hpp"
+#include "kvcache/core/dtype.hpp"
+#include "kvcache/core/error.hpp"
+#include "kvcache/core/tensor.hpp"
+#include "kvcache/core/view.hpp"
+
+namespace kvcache::cpu {
+
+/// Largest head_dim the fast kernel handles (its per-task state lives on the stack).
+inline constexpr std::size_t kMaxHeadDim = 512;
+/// Keys per online-softmax tile.
+inline constexpr std::size_t kTile = 32;
+/// Query rows (query tokens x query heads of one KV head) that share one sweep over K/V.
+inline constexpr std::size_t kRowBlock = 16;
+/// Query rows per micro-kernel call.
+inline constexpr std::size_t kSubRows = 4;
+/// How many tiles ahead of the one being computed K/V rows are prefetched.
+inline constexpr std::size_t kPrefetchTiles = 2;
+
+/// Which implementation of the micro-kernels to run.
+enum class Kernel {
+  automatic,  ///< AVX2 where the CPU has AVX2+FMA+F16C and head_dim % 8 == 0, else portable
+  portable,   ///< plain C++ loops
+  avx2,       ///< AVX2+FMA+F16C intrinsics (shape_error where unavailable)
+};
+
+namespace detail {
+
+/// Plain C++ micro-kernels (any head_dim, any CPU).
+template <Element T>
+struct PortableOps {
+  static void qk(const float* q, std::size_t rows, const T* k, std::size_t nk, std::size_t d,
+                 float* s, std::size_t stride, Prefetch /*ahead: left to the hardware*/) noexcept {
+    for (std::size_t r = 0; r < rows; ++r) {
+      for (std::size_t j = 0; j < nk; ++j) {
+        float lanes[8] = {};
+        std::size_t x = 0;
+        for (; x + 8 <= d; x += 8) {
+          for (std::size_t l = 0; l < 8; ++l) lanes[l] += q[r * d + x + l] * to_float(k[j * d + x + l]);
+        }
+        float acc = 0.0f;
+        for (; x < d; ++x) acc += q[r * d + x] * to_float(k[j * d + x]);
+        for (float l : lanes) acc += l;
+        s[r * stride + j] = acc;
+      }
+    }
+  }
+  static void pv(const float* p, std::size_t stride, std::size_t rows, const T* v, std::size_t nk,
+                 std::size_t d, float* acc) noexcept {
+    for (std::size_t j = 0; j < nk; ++j) {
+      for (std::size_t r = 0; r < rows; ++r) {
+        const float pr = p[r * stride + j];
+        if (pr == 0.0f) continue;
+        for (std::size_t x = 0; x < d; ++x) acc[r * d + x] += pr * to_float(v[j * d + x]);
+      }
+    }
+  }
+  static float exp_sum(float* x, std::size_t n) noexcept {
+    float total = 0.0f;
+    for (std::size_t i = 0; i < n; ++i) {
+      x[i] = std::exp(x[i]);  // exp(-inf) == 0
+      total += x[i];
+    }
+    return total;
+  }
+  static void scale(float* x, std::size_t n, float c) noexcept {
+    for (std::size_t i = 0; i < n; ++i) x[i] *= c;
+  }
+};
+
+/// One query row: head_dim floats of q, where its output goes, and its absolute position.
+struct Row {
+  const float* q;
+  float* out;
+  position_t pos;
+};
+
+/// How a tile of keys relates to one query row under the mask.
+enum class TileCover { none, partial, full };
+
+[[nodiscard]] inline TileCover tile_cover(const kvcache::detail::Mask& mask, position_t qpos, position_t first,
+                                          position_t last) noexcept {
+  if (!mask.causal) return TileCover::full;
+  if (first > qpos) return TileCover::none;
+  const position_t lo = mask.low(qpos);
+  const bool all_seen = last <= qpos && (first >= lo || last < mask.sinks);
+  if (all_seen) return TileCover::full;
+  const bool none_seen = last < lo && first >= mask.sinks;
+  return none_seen ? TileCover::none : TileCover::partial;
+}
+
+/// Attention of up to kRowBlock query rows, all mapped to KV head `kv_head`, over the whole
+/// view: a single pass over the visible tiles with an online softmax. Writes each row's output.
+template <class Ops, KVView V>
+void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_t num_rows,
+                 const kvcache::detail::Mask& mask, float scale, float softcap) noexcept {
+  using T = typename V::value_type;
+  const std::size_t d = view.head_dim();
+  alignas(64) float qs[kRowBlock * kMaxHeadDim];
+  alignas(64) float acc[kRowBlock * kMaxHeadDim];
+  alignas(64) float s[kSubRows * kTile];
+  float row_max[kRowBlock];
+  float row_sum[kRowBlock];
+  position_t pos_max = std::numeric_limits<position_t>::min();
+  position_t low_min = std::numeric_limits<position_t>::max();
+  for (std::size_t r = 0; r < num_rows; ++r) {
+    for (std::size_t x = 0; x < d; ++x) qs[r * d + x] = rows[r].q[x] * scale;
+    std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
+    row_max[r] = -std::numeric_limits<float>::infinity();
+    row_sum[r] = 0.0f;
+    pos_max = std::max(pos_max, rows[r].pos);
+    low_min = std::min(low_min, mask.low(rows[r].pos));
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  for (std::size_t si = 0; si < view.num_segments(); ++si) {
+    const KVSegment<T> seg = view.segment(si);
+    const T* kbase = seg.k + kv_head * seg.head_stride;
+    const T* vbase = seg.v + kv_head * seg.head_stride;
+    const position_t seg_end = seg.first_pos + static_cast<position_t>(seg.len);
+    position_t begin = seg.first_pos, end = seg_end;
+    if (mask.causal) {
+      end = std::min(end, pos_max + 1);
+      if (seg.first_pos >= mask.sinks) begin = std::max(begin, low_min);
+    }
+    for (position_t t0 = begin; t0 < end; t0 += static_cast<position_t>(kTile)) {
+      const std::size_t nk = static_cast<std::size_t>(std::min<position_t>(kTile, end - t0));
+      const std::size_t offset = static_cast<std::size_t>(t0 - seg.first_pos) * d;
+      const position_t t_last = t0 + static_cast<position_t>(nk) - 1;
+      // K/V rows kPrefetchTiles tiles ahead, fetched while this tile computes. The micro-kernel
+      // spreads the prefetches over its loop: one burst would stall on the line-fill buffers,
+      // and the V tile's column-wise reads leave the hardware prefetchers behind.
+      Prefetch ahead{};
+      const position_t ahead_first = t0 + static_cast<position_t>(kPrefetchTiles * kTile);
+      if (ahead_first < end) {
+        const std::size_t ahead_keys =
+            static_cast<std::size_t>(std::min<position_t>(kTile, end - ahead_first));
+        const std::size_t ahead_offset = offset + kPrefetchTiles * kTile * d;
+        ahead = {reinterpret_cast<const char*>(kbase + ahead_offset),
+                 reinterpret_cast<const char*>(vbase + ahead_offset), ahead_keys * d * sizeof(T)};
+      }
+      for (std::size_t r0 = 0; r0 < num_rows; r0 += kSubRows) {
+        const std::size_t sub = std::min(kSubRows, num_rows - r0);
+        TileCover cover[kSubRows];
+        bool any = false;
+        for (std::size_t r = 0; r < sub; ++r) {
+          cover[r] = tile_cover(mask, rows[r0 + r].pos, t0, t_last);
+          any = any || cover[r] != TileCover::none;
+        }
+        if (!any) continue;
+        Ops::qk(qs + r0 * d, sub, kbase + offset, nk, d, s, kTile, r0 == 0 ? ahead : Prefetch{});
+        for (std::size_t r = 0; r < sub; ++r) {
+          float* sr = s + r * kTile;
+          if (cover[r] == TileCover::none) {
+            std::fill(sr, sr + nk, 0.0f);
+            continue;
+          }
+          if (softcap > 0.0f) {
+            for (std::size_t j = 0; j < nk; ++j) sr[j] = softcap * std::tanh(sr[j] / softcap);
+          }
+          if (cover[r] == TileCover::partial) {
+            for (std::size_t j = 0; j < nk; ++j) {
+              if (!mask.visible(rows[r0 + r].pos, t0 + static_cast<position_t>(j))) sr[j] = neg_inf;
+            }
+          }
+          const float tile_max = *std::max_element(sr, sr + nk);
+          if (tile_max == neg_inf) {
+            std::fill(sr, sr + nk, 0.0f);
+            continue;
+          }
+          float& m = row_max[r0 + r];
+          const float m_new = std::max(m, tile_max);
+          if (m != neg_inf && m_new != m) {
+            const float correction = std::exp(m - m_new);
+            row_sum[r0 + r] *= correction;
+            Ops::scale(acc + (r0 + r) * d, d, correction);
+          }
+          m = m_new;
+          for (std::size_t j = 0; j < nk; ++j) sr[j] -= m_new;
+          row_sum[r0 + r] += Ops::exp_sum(sr, nk);
+        }
+        Ops::pv(s, kTile, sub, vbase + offset, nk, d, acc + r0 * d);
+      }
+    }
+  }
+  for (std::size_t r = 0; r < num_rows; ++r) {
+    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+    for (std::size_t x = 0; x < d; ++x) rows[r].out[x] = acc[r * d + x] * inv;
+  }
+}
+
+/// Work items of one task: KV heads x blocks of kRowBlock rows.
+template <KVView V>
+[[nodiscard]] std::size_t task_items(const AttentionTask<V>& t) noexcept {
+  const std::size_t heads = t.view.num_kv_heads();
+  const std::size_t rows_per_head = t.q.num_tokens * (t.q.num_heads / heads);
+  return heads * ((rows_per_head + kRowBlock - 1) / kRowBlock);
+}
+
+/// Runs work item `item` of task `t`: KV head item / blocks, row block item % blocks. Rows are
+/// ordered token-major (row = token * group + head-in-group).
+template <class Ops, KVView V>
+void run_item(const AttentionTask<V>& t, position_t first_pos, std::size_t item, const kvcache::detail::Mask& mask,
+              float scale, float softcap) noexcept {
+  const std::size_t heads = t.view.num_kv_heads();
+  const std::size_t group = t.q.num_heads / heads;
+  const std::size_t rows_per_head = t.q.num_tokens * group;
+  const std::size_t blocks = (rows_per_head + kRowBlock - 1) / kRowBlock;
+  const std::size_t kv_head = item / blocks;
+  const std::size_t row0 = (item % blocks) * kRowBlock;
+  const std::size_t num_rows = std::min(kRowBlock, rows_per_head - row0);
+  Row rows[kRowBlock];
+  for (std::size_t r = 0; r < num_rows; ++r) {
+    const std::size_t token = (row0 + r) / group;
+    const std::size_t q_head = kv_head * group + (row0 + r) % group;
+    rows[r] = {t.q.row(token, q_head), t.out.row(token, q_head),
+               first_pos + static_cast<position_t>(token)};
+  }
+  attend_rows<Ops>(t.view, kv_head, rows, num_rows, mask, scale, softcap);
+}
+
+template <template <class> class Ops, KVView V>
+void run_tasks(std::span<const AttentionTask<V>> tasks, std::span<const position_t> first_pos,
+               const AttentionOptions& opts) {
+  using T = typename V::value_type;
+  const kvcache::detail::Mask mask{opts.causal, static_cast<position_t>(opts.window),
+                  static_cast<position_t>(opts.num_sink_tokens)};
+  std::size_t total_items = 0;
+  std::size_t total_work = 0;  // K/V elements swept, to decide whether threads pay off
+  for (const auto& t : tasks) {
+    total_items += task_items(t);
+    total_work += task_items(t) * view_num_tokens(t.view) * t.view.head_dim();
+  }
+  auto run = [&](std::size_t global) {
+    std::size_t i = 0;
+    for (; global >= task_items(tasks[i]); ++i) global -= task_items(tasks[i]);
+    const auto& t = tasks[i];
+    const float scale = opts.scale > 0.0f
+                            ? opts.scale
+                            : 1.0f / std::sqrt(static_cast<float>(t.view.head_dim()));
+    run_item<Ops<T>>(t, first_pos[i], global, mask, scale, opts.softcap);
+  };
+  constexpr std::size_t kMinParallelWork = std::size_t{1} << 16;
+  if (opts.pool != nullptr && total_items > 1 && total_work >= kMinParallelWork) {
+    opts.pool->parallel_for(total_items, run);
+  } else {
+    for (std::size_t i = 0; i < total_items; ++i) run(i);
+  }
+}
+
+[[nodiscard]] inline bool avx2_available(std::size_t head_dim) noexcept {
+#if KVCACHE_X86_DISPATCH
+  return head_dim % 8 == 0 && kvcache::detail::cpu_has_avx2_fma_f16c();
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+}  // namespace detail
+
+/// True when Kernel::avx2 can run for this head_dim on this CPU.
+[[nodiscard]] inline bool avx2_supported(std::size_t head_dim) noexcept {
+  return detail::avx2_available(head_dim);
+}
+
+/// Fast attention for a batch of sequences, each task's queries against its own view
+/// (see kvcache::attend for the semantics). Parallel over (task, KV head, row block) when
+/// opts.pool is set and the call is large enough to pay for waking the workers.
+/// Never allocates. O(sum over tasks of visible keys x num_q_heads x head_dim).
+/// @throws shape_error, position_error as kvcache::attend; shape_error when head_dim exceeds
+///         kMaxHeadDim, or when `kernel` is avx2 and the CPU or head_dim (% 8) does not allow it.
+template <KVView V>
+void attend_batch(std::span<const AttentionTask<V>> tasks, const AttentionOptions& opts = {},
+                  Kernel kernel = Kernel::automatic) {
+  constexpr std::size_t kMaxStackTasks = 256;
+  position_t first_small[kMaxStackTasks];
+  std::vector<position_t> first_large;  // only for batches beyond kMaxStackTasks
+  std::span<position_t> first(first_small, std::min(tasks.size(), kMaxStackTasks));
+  if (tasks.size() > kMaxStackTasks) {
+    first_large.resize(tasks.size());
+    first = first_large;
+  }
+  bool all_avx2 = true;
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    const auto& t = tasks[i];
+    first[i] = kvcache::detail::check_attention(t.q, t.view, t.out, opts, t.query_pos);
+    const std::size_t d = t.view.head_dim();
+    if (d > kMaxHeadDim) {
+      throw shape_error(kvcache::detail::message("attend: head_dim ", d,
+                                                 " exceeds the CPU kernel's maximum ",
+                                                 kMaxHeadDim));
+    }
+    all_avx2 = all_avx2 && detail::avx2_available(d);
+  }
+  if (kernel == Kernel::avx2 && !all_avx2) {
+    throw shape_error(
+        "attend: the avx2 kernel needs a CPU with AVX2+FMA+F16C and head_dim a multiple of 8");
+  }
+#if KVCACHE_X86_DISPATCH
+  if (kernel != Kernel::portable && all_avx2) {
+    detail::run_tasks<detail::Avx2Ops>(tasks, first, opts);
+    return;
+  }
+#endif
+  detail::run_tasks<detail::PortableOps>(tasks, first, opts);
+}
+
+/// attend_batch() for one sequence.
+template <KVView V>
+void attend(TokenBlock<const float> q, const V& view, TokenBlock<float> out,
+            const AttentionOptions& opts = {}, Kernel kernel = Kernel::automatic) {
+  const AttentionTask<V> task{q, view, out, opts.query_pos};
+  attend_batch(std::span<const AttentionTask<V>>(&task, 1), opts, kernel);
+}
+
+}  // namespace kvcache::cpu

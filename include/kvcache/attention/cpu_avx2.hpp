@@ -1,0 +1,258 @@
+// SPDX-License-Identifier: Apache-2.0
+// AVX2 + FMA + F16C micro-kernels of the fast CPU attention: q.k scores for a tile of keys, the
+// p.V accumulation, and a vectorised exp. fp16/bf16 rows are converted in registers. Compiled
+// with per-function target attributes and chosen at run time, so no -mavx2 flag is needed.
+#pragma once
+
+#include <cstddef>
+
+#include "kvcache/core/dtype.hpp"
+
+namespace kvcache::cpu::detail {
+
+/// Memory a micro-kernel should start fetching while it computes: `bytes` from each of k and v
+/// (the K and V rows a few tiles ahead).
+struct Prefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  std::size_t bytes = 0;
+};
+
+}  // namespace kvcache::cpu::detail
+
+#if KVCACHE_X86_DISPATCH
+
+#include <cstddef>
+#include <immintrin.h>
+#include <limits>
+
+#define KVCACHE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace kvcache::cpu::detail {
+
+/// Loads 8 consecutive elements as 8 floats.
+template <Element T>
+KVCACHE_TARGET_AVX2 inline __m256 load8(const T* p) noexcept {
+  if constexpr (std::same_as<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::same_as<T, half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+}
+
+KVCACHE_TARGET_AVX2 inline float hsum(__m256 v) noexcept {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+/// exp(x) for 8 lanes with x <= 0; lanes below -87 (including -inf) give exactly 0.
+/// Cephes-style range reduction and degree-6 polynomial: relative error below 2e-7.
+KVCACHE_TARGET_AVX2 inline __m256 exp8_nonpositive(__m256 x) noexcept {
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)), keep);
+}
+
+/// Lane i of the result = sum of the 8 lanes of a[i].
+KVCACHE_TARGET_AVX2 inline __m256 hsum8x8(const __m256* a) noexcept {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/// s[r * stride + j] = q_r . k_j for R query rows (each head_dim floats, rows d apart) and nk
+/// key rows (each head_dim elements, consecutive). Two keys at a time share each q load. The
+/// `ahead` bytes are prefetched in even slices over the key loop.
+template <Element T, int R>
+KVCACHE_TARGET_AVX2 void qk_rows(const float* q, const T* k, std::size_t nk, std::size_t d,
+                                 float* s, std::size_t stride, Prefetch ahead) noexcept {
+  const std::size_t pairs = nk / 2;
+  const std::size_t lines_per_pair = pairs == 0 ? 0 : (ahead.bytes / 64 + pairs) / pairs;
+  std::size_t prefetched = 0;
+  std::size_t j = 0;
+  for (; j + 2 <= nk; j += 2) {
+    for (std::size_t l = 0; l < lines_per_pair && prefetched < ahead.bytes; ++l, prefetched += 64) {
+      _mm_prefetch(ahead.k + prefetched, _MM_HINT_T0);
+      _mm_prefetch(ahead.v + prefetched, _MM_HINT_T0);
+    }
+    const T* k0 = k + j * d;
+    const T* k1 = k0 + d;
+    __m256 acc0[R], acc1[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (std::size_t x = 0; x < d; x += 8) {
+      const __m256 a = load8(k0 + x);
+      const __m256 b = load8(k1 + x);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + r * d + x);
+        acc0[r] = _mm256_fmadd_ps(qv, a, acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(qv, b, acc1[r]);
+      }
+    }
+    if constexpr (R == 4) {
+      const __m256 all[8] = {acc0[0], acc1[0], acc0[1], acc1[1], acc0[2], acc1[2], acc0[3], acc1[3]};
+      const __m256 sums = hsum8x8(all);  // lanes: (row 0: j, j+1), (row 1: j, j+1), ...
+      const __m128 lo = _mm256_castps256_ps128(sums), hi = _mm256_extractf128_ps(sums, 1);
+      _mm_storel_pi(reinterpret_cast<__m64*>(s + j), lo);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(s + stride + j), lo);
+      _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * stride + j), hi);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(s + 3 * stride + j), hi);
+    } else {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        s[r * stride + j] = hsum(acc0[r]);
+        s[r * stride + j + 1] = hsum(acc1[r]);
+      }
+    }
+  }
+  for (; prefetched < ahead.bytes; prefetched += 64) {  // tiles too short for the even slices
+    _mm_prefetch(ahead.k + prefetched, _MM_HINT_T0);
+    _mm_prefetch(ahead.v + prefetched, _MM_HINT_T0);
+  }
+  if (j < nk) {
+    const T* k0 = k + j * d;
+    __m256 acc0[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc0[r] = _mm256_setzero_ps();
+    for (std::size_t x = 0; x < d; x += 8) {
+      const __m256 a = load8(k0 + x);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + x), a, acc0[r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s[r * stride + j] = hsum(acc0[r]);
+  }
+}
+
+/// acc_r += sum_j p[r * stride + j] * v_j for R rows, nk value rows, 16 (then 8) columns at a
+/// time so that the accumulators stay in registers across the whole tile.
+template <Element T, int R>
+KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* v, std::size_t nk,
+                                 std::size_t d, float* acc) noexcept {
+  std::size_t x = 0;
+  for (; x + 16 <= d; x += 16) {
+    __m256 a0[R], a1[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm256_loadu_ps(acc + r * d + x);
+      a1[r] = _mm256_loadu_ps(acc + r * d + x + 8);
+    }
+    for (std::size_t j = 0; j < nk; ++j) {
+      const __m256 v0 = load8(v + j * d + x);
+      const __m256 v1 = load8(v + j * d + x + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 pr = _mm256_broadcast_ss(p + r * stride + j);
+        a0[r] = _mm256_fmadd_ps(pr, v0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(pr, v1, a1[r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * d + x, a0[r]);
+      _mm256_storeu_ps(acc + r * d + x + 8, a1[r]);
+    }
+  }
+  if (x < d) {  // d % 16 == 8
+    __m256 a0[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) a0[r] = _mm256_loadu_ps(acc + r * d + x);
+    for (std::size_t j = 0; j < nk; ++j) {
+      const __m256 v0 = load8(v + j * d + x);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * stride + j), v0, a0[r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + x, a0[r]);
+  }
+}
+
+/// The AVX2 operation set of the tile loop (see cpu.hpp). @pre head_dim % 8 == 0.
+template <Element T>
+struct Avx2Ops {
+  KVCACHE_TARGET_AVX2 static void qk(const float* q, std::size_t rows, const T* k, std::size_t nk,
+                                     std::size_t d, float* s, std::size_t stride,
+                                     Prefetch ahead) noexcept {
+    switch (rows) {
+      case 1:
+        return qk_rows<T, 1>(q, k, nk, d, s, stride, ahead);
+      case 2:
+        return qk_rows<T, 2>(q, k, nk, d, s, stride, ahead);
+      case 3:
+        return qk_rows<T, 3>(q, k, nk, d, s, stride, ahead);
+      default:
+        return qk_rows<T, 4>(q, k, nk, d, s, stride, ahead);
+    }
+  }
+  KVCACHE_TARGET_AVX2 static void pv(const float* p, std::size_t stride, std::size_t rows,
+                                     const T* v, std::size_t nk, std::size_t d,
+                                     float* acc) noexcept {
+    switch (rows) {
+      case 1:
+        return pv_rows<T, 1>(p, stride, v, nk, d, acc);
+      case 2:
+        return pv_rows<T, 2>(p, stride, v, nk, d, acc);
+      case 3:
+        return pv_rows<T, 3>(p, stride, v, nk, d, acc);
+      default:
+        return pv_rows<T, 4>(p, stride, v, nk, d, acc);
+    }
+  }
+  /// x[i] = exp(x[i]) for x[i] <= 0 (-inf gives 0); returns the sum of the results.
+  KVCACHE_TARGET_AVX2 static float exp_sum(float* x, std::size_t n) noexcept {
+    __m256 sum = _mm256_setzero_ps();
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp8_nonpositive(_mm256_loadu_ps(x + i));
+      _mm256_storeu_ps(x + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    if (i < n) {  // the tail, padded with -inf lanes (which give 0)
+      alignas(32) float tail[8];
+      for (std::size_t t = 0; t < 8; ++t) {
+        tail[t] = i + t < n ? x[i + t] : -std::numeric_limits<float>::infinity();
+      }
+      const __m256 e = exp8_nonpositive(_mm256_load_ps(tail));
+      _mm256_store_ps(tail, e);
+      for (std::size_t t = 0; i + t < n; ++t) x[i + t] = tail[t];
+      sum = _mm256_add_ps(sum, e);
+    }
+    return hsum(sum);
+  }
+  KVCACHE_TARGET_AVX2 static void scale(float* x, std::size_t n, float c) noexcept {
+    const __m256 cv = _mm256_set1_ps(c);
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), cv));
+    for (; i < n; ++i) x[i] *= c;
+  }
+};
+
+}  // namespace kvcache::cpu::detail
+
+#undef KVCACHE_TARGET_AVX2
+
+#endif  // KVCACHE_X86_DISPATCH

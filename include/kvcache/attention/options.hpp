@@ -1,0 +1,142 @@
+// SPDX-License-Identifier: Apache-2.0
+// What an attention call takes besides its tensors (scale, causal mask by absolute positions,
+// sliding window, sinks, soft-cap, executor), the mask predicate both CPU implementations share,
+// and the argument checks done once at the API boundary.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <optional>
+
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/error.hpp"
+#include "kvcache/core/tensor.hpp"
+#include "kvcache/core/thread_pool.hpp"
+#include "kvcache/core/view.hpp"
+
+namespace kvcache {
+
+/// Options of an attention call. The defaults give plain causal softmax attention.
+struct AttentionOptions {
+  /// Multiplier of q.k before softmax; 0 means 1 / sqrt(head_dim).
+  float scale = 0.0f;
+  /// Causal by absolute positions: a query at position p sees keys with position <= p.
+  /// Non-causal attention sees every key of the view (window and sinks must then be 0).
+  bool causal = true;
+  /// Sliding window W: a query at p sees only keys with p - W < pos <= p (0 = unlimited).
+  std::size_t window = 0;
+  /// With a window: keys at positions < num_sink_tokens stay visible to every query.
+  std::size_t num_sink_tokens = 0;
+  /// Logit soft-cap c (Gemma 2 style): s -> c * tanh(s / c), applied after scaling (0 = off).
+  float softcap = 0.0f;
+  /// Position of the first query token (queries are consecutive). Default: the last
+  /// q.num_tokens positions of the view, i.e. view.length() - q.num_tokens.
+  std::optional<position_t> query_pos = std::nullopt;
+  /// Executor for the fast CPU kernel (nullptr: run on the calling thread only).
+  ThreadPool* pool = nullptr;
+};
+
+/// One sequence of a batched attention call: queries [n][num_q_heads][head_dim] against one
+/// view, output of the same shape as the queries.
+template <KVView V>
+struct AttentionTask {
+  TokenBlock<const float> q;
+  V view;
+  TokenBlock<float> out;
+  /// As AttentionOptions::query_pos, for this task.
+  std::optional<position_t> query_pos = std::nullopt;
+};
+
+namespace detail {
+
+/// The resolved mask of one call: key at `pos` is visible to a query at `qpos` iff
+/// !causal || (pos <= qpos && (pos > qpos - window || pos < sinks)), with window 0 = unlimited.
+struct Mask {
+  bool causal = true;
+  position_t window = 0;
+  position_t sinks = 0;
+
+  /// Lowest non-sink key position visible to a query at qpos.
+  [[nodiscard]] constexpr position_t low(position_t qpos) const noexcept {
+    return window == 0 ? 0 : qpos - window + 1;
+  }
+  [[nodiscard]] constexpr bool visible(position_t qpos, position_t pos) const noexcept {
+    return !causal || (pos <= qpos && (pos >= low(qpos) || pos < sinks));
+  }
+};
+
+/// Checks one attention call and returns the position of its first query.
+/// @throws shape_error (buffer sizes, head_dim, head counts, bad scale/softcap/window use),
+///         position_error (a query needs a key position the view does not hold).
+template <KVView V>
+position_t check_attention(const TokenBlock<const float>& q, const V& view,
+                           const TokenBlock<float>& out, const AttentionOptions& opts,
+                           std::optional<position_t> query_pos) {
+  q.validate("attend: queries");
+  out.validate("attend: output");
+  if (q.head_dim != view.head_dim()) {
+    throw shape_error(detail::message("attend: queries have head_dim ", q.head_dim,
+                                      " but the cache has head_dim ", view.head_dim()));
+  }
+  if (view.num_kv_heads() == 0 || q.num_heads == 0 || q.num_heads % view.num_kv_heads() != 0) {
+    throw shape_error(detail::message("attend: num_q_heads ", q.num_heads,
+                                      " is not a positive multiple of num_kv_heads ",
+                                      view.num_kv_heads()));
+  }
+  if (out.num_tokens != q.num_tokens || out.num_heads != q.num_heads ||
+      out.head_dim != q.head_dim) {
+    throw shape_error(detail::message("attend: output shape [", out.num_tokens, "][",
+                                      out.num_heads, "][", out.head_dim,
+                                      "] differs from the queries' [", q.num_tokens, "][",
+                                      q.num_heads, "][", q.head_dim, "]"));
+  }
+  if (!(opts.scale >= 0.0f) || !std::isfinite(opts.scale) || !(opts.softcap >= 0.0f) ||
+      !std::isfinite(opts.softcap)) {
+    throw shape_error(detail::message("attend: scale (", opts.scale, ") and softcap (",
+                                      opts.softcap, ") must be finite and >= 0"));
+  }
+  if (!opts.causal && (opts.window != 0 || opts.num_sink_tokens != 0)) {
+    throw shape_error(detail::message("attend: window ", opts.window, " / num_sink_tokens ",
+                                      opts.num_sink_tokens, " need causal attention"));
+  }
+  const position_t n = static_cast<position_t>(q.num_tokens);
+  const position_t length = view.length();
+  const position_t first = query_pos.value_or(length - n);
+  if (first < 0) {
+    throw position_error(detail::message("attend: ", n, " queries but the view holds only ",
+                                         length, " positions"));
+  }
+  const position_t gap_begin = view.sink_end(), gap_end = view.recent_begin();
+  if (!opts.causal) {
+    if (length == 0 || gap_begin < gap_end) {
+      throw position_error(detail::message(
+          "attend: non-causal attention needs every position of the sequence, but the view "
+          "holds [0, ",
+          gap_begin, ") and [", gap_end, ", ", length, ")"));
+    }
+    return first;
+  }
+  const Mask mask{true, static_cast<position_t>(opts.window),
+                  static_cast<position_t>(opts.num_sink_tokens)};
+  for (position_t p = first; p < first + n; ++p) {
+    if (p >= length) {
+      throw position_error(detail::message("attend: query at position ", p,
+                                           " but the view ends at position ", length - 1,
+                                           " (append the token's K/V before attending)"));
+    }
+    if (gap_begin >= gap_end) continue;
+    const position_t lo = std::max<position_t>(0, mask.low(p));
+    const bool recent_ok = p < gap_begin || lo >= gap_end;
+    const bool sinks_ok = std::min(mask.sinks, lo) <= gap_begin;
+    if (!recent_ok || !sinks_ok) {
+      throw position_error(detail::message(
+          "attend: query at position ", p, " needs keys [", lo, ", ", p, "] (window ",
+          opts.window, ", sinks ", opts.num_sink_tokens, ") but the view evicted [", gap_begin,
+          ", ", gap_end, "); pass the cache's window and num_sink_tokens in AttentionOptions"));
+    }
+  }
+  return first;
+}
+
+}  // namespace detail
+}  // namespace kvcache

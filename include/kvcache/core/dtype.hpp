@@ -1,0 +1,257 @@
+// SPDX-License-Identifier: Apache-2.0
+// Element types of the cache: float, IEEE half (fp16) and bfloat16, with conversions that round
+// exactly as the hardware does (round-to-nearest-even), a runtime DType tag, and dtype dispatch.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include "kvcache/core/error.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+#define KVCACHE_X86_DISPATCH 1
+#else
+#define KVCACHE_X86_DISPATCH 0
+#endif
+
+namespace kvcache {
+
+/// IEEE 754 binary16 storage type. Conversions round to nearest even, keep signed zeros,
+/// subnormals, infinities and NaN payloads (quietened), bit for bit like x86 F16C and CUDA.
+struct half {
+  std::uint16_t bits = 0;
+
+  constexpr half() noexcept = default;
+  constexpr explicit half(float f) noexcept : bits(from_float_bits(f)) {}
+  [[nodiscard]] static constexpr half from_bits(std::uint16_t b) noexcept {
+    half h;
+    h.bits = b;
+    return h;
+  }
+  [[nodiscard]] constexpr explicit operator float() const noexcept { return to_float(bits); }
+  friend constexpr bool operator==(half, half) noexcept = default;
+
+  /// float -> binary16 bits, round-to-nearest-even.
+  [[nodiscard]] static constexpr std::uint16_t from_float_bits(float f) noexcept {
+    std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+    const std::uint32_t sign = (u >> 16) & 0x8000u;
+    u &= 0x7fffffffu;
+    if (u >= 0x47800000u) {  // |f| >= 65536 (or inf/NaN): the result is inf or NaN
+      if (u > 0x7f800000u) {
+        return static_cast<std::uint16_t>(sign | 0x7e00u | ((u >> 13) & 0x3ffu));
+      }
+      return static_cast<std::uint16_t>(sign | 0x7c00u);
+    }
+    if (u < 0x38800000u) {  // |f| < 2^-14: subnormal or zero half
+      // Adding 0.5 aligns the 10 subnormal mantissa bits at the bottom of the float; the FP
+      // addition itself rounds to nearest even.
+      const float aligned = std::bit_cast<float>(u) + 0.5f;
+      return static_cast<std::uint16_t>(sign | (std::bit_cast<std::uint32_t>(aligned) - 0x3f000000u));
+    }
+    const std::uint32_t mant_odd = (u >> 13) & 1u;
+    u += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and add the rounding bias
+    return static_cast<std::uint16_t>(sign | (u >> 13));
+  }
+
+  /// binary16 bits -> float (exact).
+  [[nodiscard]] static constexpr float to_float(std::uint16_t h) noexcept {
+    const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+    const std::uint32_t exp = (h >> 10) & 0x1fu;
+    const std::uint32_t mant = h & 0x3ffu;
+    if (exp == 0) {
+      // zero or subnormal: mant * 2^-24 is exact in float
+      const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;
+      return std::bit_cast<float>(sign | std::bit_cast<std::uint32_t>(mag));
+    }
+    if (exp == 31) {  // inf, or NaN (quietened, payload kept)
+      return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13) | (mant != 0 ? 0x400000u : 0u));
+    }
+    return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+  }
+};
+
+/// bfloat16 storage type: the top 16 bits of a float. float -> bfloat16 rounds to nearest even
+/// (subnormals kept, like CUDA's __float2bfloat16_rn); NaN stays NaN (quietened, sign kept).
+struct bfloat16 {
+  std::uint16_t bits = 0;
+
+  constexpr bfloat16() noexcept = default;
+  constexpr explicit bfloat16(float f) noexcept : bits(from_float_bits(f)) {}
+  [[nodiscard]] static constexpr bfloat16 from_bits(std::uint16_t b) noexcept {
+    bfloat16 h;
+    h.bits = b;
+    return h;
+  }
+  [[nodiscard]] constexpr explicit operator float() const noexcept { return to_float(bits); }
+  friend constexpr bool operator==(bfloat16, bfloat16) noexcept = default;
+
+  [[nodiscard]] static constexpr std::uint16_t from_float_bits(float f) noexcept {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+    }
+    return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  [[nodiscard]] static constexpr float to_float(std::uint16_t b) noexcept {
+    return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
+  }
+};
+
+static_assert(sizeof(half) == 2 && std::is_trivially_copyable_v<half>);
+static_assert(sizeof(bfloat16) == 2 && std::is_trivially_copyable_v<bfloat16>);
+
+/// Runtime tag of an element type (stable numbering: it is written into snapshot files).
+enum class DType : std::uint8_t { f32 = 0, f16 = 1, bf16 = 2 };
+
+/// The element types a cache can store.
+template <class T>
+concept Element =
+    std::same_as<T, float> || std::same_as<T, half> || std::same_as<T, bfloat16>;
+
+template <Element T>
+inline constexpr DType dtype_of = std::same_as<T, float>  ? DType::f32
+                                  : std::same_as<T, half> ? DType::f16
+                                                          : DType::bf16;
+
+[[nodiscard]] constexpr std::size_t dtype_bytes(DType d) noexcept {
+  return d == DType::f32 ? 4 : 2;
+}
+
+[[nodiscard]] constexpr const char* dtype_name(DType d) noexcept {
+  switch (d) {
+    case DType::f32:
+      return "f32";
+    case DType::f16:
+      return "f16";
+    case DType::bf16:
+      return "bf16";
+  }
+  return "unknown";
+}
+
+/// Calls `f(std::type_identity<T>{})` with the element type named by `d`.
+/// @throws shape_error for a value outside the enum, listing the supported ones.
+template <class F>
+decltype(auto) dispatch_dtype(DType d, F&& f) {
+  switch (d) {
+    case DType::f32:
+      return f(std::type_identity<float>{});
+    case DType::f16:
+      return f(std::type_identity<half>{});
+    case DType::bf16:
+      return f(std::type_identity<bfloat16>{});
+  }
+  throw shape_error(detail::message("unsupported dtype ", static_cast<int>(d),
+                                    "; supported: 0 (f32), 1 (f16), 2 (bf16)"));
+}
+
+/// Element -> float (exact).
+template <Element T>
+[[nodiscard]] constexpr float to_float(T x) noexcept {
+  if constexpr (std::same_as<T, float>) {
+    return x;
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
+/// float -> element, round-to-nearest-even.
+template <Element T>
+[[nodiscard]] constexpr T from_float(float x) noexcept {
+  if constexpr (std::same_as<T, float>) {
+    return x;
+  } else {
+    return T(x);
+  }
+}
+
+namespace detail {
+
+#if KVCACHE_X86_DISPATCH
+/// True when the running CPU (and OS) supports AVX2, FMA and F16C, the fast CPU paths'
+/// requirement. Read once with CPUID and cached in a function-local constant: a fact about the
+/// machine, not mutable state.
+[[nodiscard]] inline bool cpu_has_avx2_fma_f16c() noexcept {
+  static const bool supported = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+    const bool fma = (c >> 12) & 1u, osxsave = (c >> 27) & 1u, avx = (c >> 28) & 1u;
+    const bool f16c = (c >> 29) & 1u;
+    if (!(fma && osxsave && avx && f16c)) return false;
+    unsigned xcr0_lo = 0, xcr0_hi = 0;
+    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 0x6u) != 0x6u) return false;  // the OS saves XMM and YMM state
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+    return ((b >> 5) & 1u) != 0;  // AVX2
+  }();
+  return supported;
+}
+
+__attribute__((target("avx2,f16c"))) inline void floats_to_half_f16c(const float* in, half* out,
+                                                                      std::size_t n) noexcept {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  }
+  for (; i < n; ++i) out[i] = half(in[i]);
+}
+
+__attribute__((target("avx2,f16c"))) inline void half_to_floats_f16c(const half* in, float* out,
+                                                                      std::size_t n) noexcept {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) out[i] = static_cast<float>(in[i]);
+}
+#endif
+
+}  // namespace detail
+
+/// Converts `in` to element type T, element by element, into `out` (same length; not checked:
+/// internal callers validate). Uses F16C for half where the CPU has it (same results).
+template <Element T>
+inline void convert_from_float(std::span<const float> in, T* out) noexcept {
+  if constexpr (std::same_as<T, float>) {
+    std::copy(in.begin(), in.end(), out);
+  } else {
+#if KVCACHE_X86_DISPATCH
+    if constexpr (std::same_as<T, half>) {
+      if (detail::cpu_has_avx2_fma_f16c()) {
+        detail::floats_to_half_f16c(in.data(), out, in.size());
+        return;
+      }
+    }
+#endif
+    for (std::size_t i = 0; i < in.size(); ++i) out[i] = T(in[i]);
+  }
+}
+
+/// Converts elements to float into `out` (same length; not checked).
+template <Element T>
+inline void convert_to_float(std::span<const T> in, float* out) noexcept {
+  if constexpr (std::same_as<T, float>) {
+    std::copy(in.begin(), in.end(), out);
+  } else {
+#if KVCACHE_X86_DISPATCH
+    if constexpr (std::same_as<T, half>) {
+      if (detail::cpu_has_avx2_fma_f16c()) {
+        detail::half_to_floats_f16c(in.data(), out, in.size());
+        return;
+      }
+    }
+#endif
+    for (std::size_t i = 0; i < in.size(); ++i) out[i] = static_cast<float>(in[i]);
+  }
+}
+
+}  // namespace kvcache

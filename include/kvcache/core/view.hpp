@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: Apache-2.0
+// Views: what attention needs from a cache. A view is a cheap value describing one layer of one
+// sequence as a list of segments (runs of slots contiguous in memory with consecutive absolute
+// positions). KVView is the concept; SegmentView and ChunkedView are the views of the built-in
+// contiguous, ring and chunked policies.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <concepts>
+#include <cstddef>
+
+#include "kvcache/core/buffer.hpp"
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/dtype.hpp"
+
+namespace kvcache {
+
+/// A run of `len` cache slots, contiguous in memory, holding consecutive positions
+/// first_pos, first_pos + 1, ... . Layout per KV head: [len][head_dim] rows; heads are
+/// `head_stride` elements apart. K of slot j, head h is at k + h * head_stride + j * head_dim.
+template <Element T>
+struct KVSegment {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  std::size_t head_stride = 0;
+  position_t first_pos = 0;
+  std::size_t len = 0;
+};
+
+/// What attention needs from one layer of one sequence.
+///
+/// Requirements (for `const V v`, `std::size_t i`):
+///  1. `V::value_type` is the element type (float, half or bfloat16).
+///  2. `v.num_kv_heads()`, `v.head_dim()` -> std::size_t: the row shape.
+///  3. `v.length()` -> position_t: one past the last position of the sequence (its seq_length).
+///  4. `v.sink_end()`, `v.recent_begin()` -> position_t: the positions the view holds are
+///     [0, sink_end) and [recent_begin, length), with 0 <= sink_end <= recent_begin <= length.
+///     Views that drop nothing report sink_end == recent_begin == 0; a sliding window reports its
+///     attention sinks in [0, sink_end) and the gap it has evicted as [sink_end, recent_begin).
+///  5. `v.num_segments()` -> std::size_t and `v.segment(i)` -> KVSegment<value_type> for
+///     i < num_segments(): segments in increasing position order, non-empty, disjoint, and
+///     together holding exactly the positions of (4). O(1) each; views never allocate.
+/// A view is valid until the next mutating call on the cache it came from.
+template <class V>
+concept KVView = requires(const V& v, std::size_t i) {
+  typename V::value_type;
+  requires Element<typename V::value_type>;
+  { v.num_kv_heads() } -> std::same_as<std::size_t>;
+  { v.head_dim() } -> std::same_as<std::size_t>;
+  { v.length() } -> std::same_as<position_t>;
+  { v.sink_end() } -> std::same_as<position_t>;
+  { v.recent_begin() } -> std::same_as<position_t>;
+  { v.num_segments() } -> std::same_as<std::size_t>;
+  { v.segment(i) } -> std::same_as<KVSegment<typename V::value_type>>;
+};
+
+/// Number of token slots a view holds: sink_end + (length - recent_begin).
+template <KVView V>
+[[nodiscard]] constexpr std::size_t view_num_tokens(const V& v) noexcept {
+  return static_cast<std::size_t>(v.sink_end() + (v.length() - v.recent_begin()));
+}
+
+/// A view made of at most N segments stored inline: the contiguous (N = 1) and ring (N = 3)
+/// policies' view.
+template <Element T, std::size_t N>
+class SegmentView {
+ public:
+  using value_type = T;
+
+  SegmentView() = default;
+  SegmentView(std::size_t num_kv_heads, std::size_t head_dim, position_t length,
+              position_t sink_end, position_t recent_begin) noexcept
+      : num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        length_(length),
+        sink_end_(sink_end),
+        recent_begin_(recent_begin) {}
+
+  /// Appends a segment; empty segments are skipped. @pre fewer than N segments so far.
+  void push(const KVSegment<T>& s) noexcept {
+    if (s.len != 0) segments_[num_segments_++] = s;
+  }
+
+  [[nodiscard]] std::size_t num_kv_heads() const noexcept { return num_kv_heads_; }
+  [[nodiscard]] std::size_t head_dim() const noexcept { return head_dim_; }
+  [[nodiscard]] position_t length() const noexcept { return length_; }
+  [[nodiscard]] position_t sink_end() const noexcept { return sink_end_; }
+  [[nodiscard]] position_t recent_begin() const noexcept { return recent_begin_; }
+  [[nodiscard]] std::size_t num_segments() const noexcept { return num_segments_; }
+  [[nodiscard]] KVSegment<T> segment(std::size_t i) const noexcept { return segments_[i]; }
+
+ private:
+  std::array<KVSegment<T>, N> segments_{};
+  std::size_t num_segments_ = 0;
+  std::size_t num_kv_heads_ = 0;
+  std::size_t head_dim_ = 0;
+  position_t length_ = 0;
+  position_t sink_end_ = 0;
+  position_t recent_begin_ = 0;
+};
+
+/// A view over equally sized chunks, each one allocation laid out as
+/// K [num_kv_heads][chunk_len][head_dim] followed by V of the same shape: DynamicCache's view.
+/// Chunk i holds positions [i * chunk_len, (i + 1) * chunk_len) clipped to length.
+template <Element T>
+class ChunkedView {
+ public:
+  using value_type = T;
+
+  ChunkedView() = default;
+  ChunkedView(const AlignedBuffer<T>* chunks, std::size_t chunk_len, std::size_t num_kv_heads,
+              std::size_t head_dim, position_t length) noexcept
+      : chunks_(chunks),
+        chunk_len_(chunk_len),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        length_(length) {}
+
+  [[nodiscard]] std::size_t num_kv_heads() const noexcept { return num_kv_heads_; }
+  [[nodiscard]] std::size_t head_dim() const noexcept { return head_dim_; }
+  [[nodiscard]] position_t length() const noexcept { return length_; }
+  [[nodiscard]] position_t sink_end() const noexcept { return 0; }
+  [[nodiscard]] position_t recent_begin() const noexcept { return 0; }
+  [[nodiscard]] std::size_t num_segments() const noexcept {
+    return (static_cast<std::size_t>(length_) + chunk_len_ - 1) / chunk_len_;
+  }
+  [[nodiscard]] KVSegment<T> segment(std::size_t i) const noexcept {
+    const T* base = chunks_[i].data();
+    const std::size_t first = i * chunk_len_;
+    return {base, base + num_kv_heads_ * chunk_len_ * head_dim_, chunk_len_ * head_dim_,
+            static_cast<position_t>(first),
+            std::min(chunk_len_, static_cast<std::size_t>(length_) - first)};
+  }
+
+ private:
+  const AlignedBuffer<T>* chunks_ = nullptr;
+  std::size_t chunk_len_ = 1;
+  std::size_t num_kv_heads_ = 0;
+  std::size_t head_dim_ = 0;
+  position_t length_ = 0;
+};
+
+static_assert(KVView<SegmentView<float, 1>>);
+static_assert(KVView<ChunkedView<half>>);
+
+}  // namespace kvcache

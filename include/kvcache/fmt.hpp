@@ -1,0 +1,29 @@
+// SPDX-License-Identifier: Apache-2.0
+// Optional {fmt} formatters for kvcache types: include this only where fmt is available.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <string_view>
+
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/dtype.hpp"
+
+/// Formats a DType as its short name: f32, f16, bf16.
+template <>
+struct fmt::formatter<kvcache::DType> : fmt::formatter<std::string_view> {
+  template <class Ctx>
+  auto format(kvcache::DType d, Ctx& ctx) const {
+    return fmt::formatter<std::string_view>::format(kvcache::dtype_name(d), ctx);
+  }
+};
+
+/// Formats a CacheShape as "5 layers x 4 kv heads x head_dim 8, f16".
+template <>
+struct fmt::formatter<kvcache::CacheShape> : fmt::formatter<std::string_view> {
+  template <class Ctx>
+  auto format(const kvcache::CacheShape& s, Ctx& ctx) const {
+    return fmt::format_to(ctx.out(), "{} layers x {} kv heads x head_dim {}, {}", s.num_layers,
+                          s.num_kv_heads, s.head_dim, s.dtype);
+  }
+};

@@ -1,0 +1,20 @@
+// SPDX-License-Identifier: Apache-2.0
+// Umbrella header: the whole public CPU API of kvcache (no CUDA, no fmt).
+#pragma once
+
+#include "kvcache/attention/attend.hpp"
+#include "kvcache/attention/cpu.hpp"
+#include "kvcache/attention/options.hpp"
+#include "kvcache/attention/reference.hpp"
+#include "kvcache/core/buffer.hpp"
+#include "kvcache/core/cache_concept.hpp"
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/dtype.hpp"
+#include "kvcache/core/error.hpp"
+#include "kvcache/core/tensor.hpp"
+#include "kvcache/core/thread_pool.hpp"
+#include "kvcache/core/view.hpp"
+#include "kvcache/policy/dynamic_cache.hpp"
+#include "kvcache/policy/sliding_window_cache.hpp"
+#include "kvcache/policy/static_cache.hpp"
+#include "kvcache/policy/token_tracked_cache.hpp"

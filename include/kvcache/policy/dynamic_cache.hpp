@@ -1,0 +1,185 @@
+// SPDX-License-Identifier: Apache-2.0
+// DynamicCache: grows as tokens arrive, one fixed-size chunk at a time, so nothing already cached
+// is ever copied again; crop and reset give whole chunks back.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kvcache/core/buffer.hpp"
+#include "kvcache/core/cache_concept.hpp"
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/tensor.hpp"
+#include "kvcache/core/view.hpp"
+
+namespace kvcache {
+
+/// Construction parameters of a DynamicCache.
+struct DynamicCacheConfig {
+  std::size_t num_layers = 0;
+  std::size_t num_kv_heads = 0;
+  std::size_t head_dim = 0;
+  /// Sequences are 0 .. max_batch - 1 (each starts empty and costs nothing until it is used).
+  std::size_t max_batch = 1;
+  /// Largest length a sequence may reach; 0 = unbounded (capacity() == SIZE_MAX).
+  std::size_t max_seq_len = 0;
+  /// Tokens per chunk: the allocation granule. Memory held per (layer, sequence) is
+  /// ceil(length / chunk_len) chunks.
+  std::size_t chunk_len = 256;
+};
+
+/// Growable cache. Each (layer, sequence) owns a list of chunks, each one allocation of
+/// K [num_kv_heads][chunk_len][head_dim] then V of the same shape. Appending n tokens costs
+/// O(n * num_kv_heads * head_dim) plus one allocation per chunk_len tokens; cached tokens are
+/// never moved, so views of earlier positions stay cheap and the growth is amortised O(1) per
+/// token without the 2x transient of a doubling vector.
+template <Element T>
+class DynamicCache {
+ public:
+  using value_type = T;
+  using view_type = ChunkedView<T>;
+
+  /// @throws shape_error for a zero num_layers, num_kv_heads, head_dim, max_batch or chunk_len.
+  explicit DynamicCache(const DynamicCacheConfig& config)
+      : shape_{config.num_layers, config.num_kv_heads, config.head_dim, dtype_of<T>},
+        max_batch_(config.max_batch),
+        max_seq_len_(config.max_seq_len == 0 ? std::numeric_limits<std::size_t>::max()
+                                             : config.max_seq_len),
+        chunk_len_(config.chunk_len) {
+    detail::require_nonzero(config.num_layers, kName, "num_layers");
+    detail::require_nonzero(config.num_kv_heads, kName, "num_kv_heads");
+    detail::require_nonzero(config.head_dim, kName, "head_dim");
+    detail::require_nonzero(config.max_batch, kName, "max_batch");
+    detail::require_nonzero(config.chunk_len, kName, "chunk_len");
+    chunk_elems_ = detail::checked_mul(detail::checked_mul(2 * chunk_len_, shape_.num_kv_heads,
+                                                           "DynamicCache chunk"),
+                                       shape_.head_dim, "DynamicCache chunk");
+    slots_.resize(shape_.num_layers * max_batch_);
+  }
+
+  /// Appends n = k.num_tokens tokens to `layer` of `seq` (CacheConcept requirement 2),
+  /// allocating ceil((length + n) / chunk_len) - chunks held new chunks first.
+  /// @throws layer_error, batch_error, shape_error, capacity_error (past max_seq_len),
+  ///         std::bad_alloc; the cache is unchanged on throw.
+  template <class U>
+    requires std::same_as<std::remove_const_t<U>, T> || std::same_as<std::remove_const_t<U>, float>
+  void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
+    using In = TokenBlock<const std::remove_const_t<U>>;
+    const In kin = k, vin = v;
+    detail::check_layer(kName, layer, shape_.num_layers);
+    detail::check_seq(kName, seq, max_batch_);
+    const std::size_t n = detail::check_kv_input(kName, shape_, kin, vin);
+    Slot& slot = slots_[layer * max_batch_ + seq];
+    if (n > max_seq_len_ - slot.length) {
+      throw capacity_error(detail::message(kName, ": append of ", n, " tokens to sequence ", seq,
+                                           " layer ", layer, " exceeds max_seq_len ",
+                                           max_seq_len_, " (holds ", slot.length, ")"));
+    }
+    const std::size_t need = (slot.length + n + chunk_len_ - 1) / chunk_len_;
+    if (need > slot.chunks.size()) {
+      std::vector<AlignedBuffer<T>> grown;  // built aside, so bad_alloc changes nothing
+      grown.reserve(need);
+      for (std::size_t i = slot.chunks.size(); i < need; ++i) grown.emplace_back(chunk_elems_);
+      slot.chunks.reserve(need);
+      for (auto& c : grown) slot.chunks.push_back(std::move(c));  // no throw after reserve
+      allocated_bytes_ += grown.size() * chunk_elems_ * sizeof(T);
+    }
+    const std::size_t d = shape_.head_dim;
+    const std::size_t head_elems = chunk_len_ * d;
+    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
+    for (std::size_t done = 0; done < n;) {
+      const std::size_t pos = slot.length + done;
+      const std::size_t in_chunk = pos % chunk_len_;
+      const std::size_t run = std::min(n - done, chunk_len_ - in_chunk);
+      T* base = slot.chunks[pos / chunk_len_].data();
+      for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
+        T* kdst = base + h * head_elems + in_chunk * d;
+        detail::store_rows(kdst, kin, done, run, h);
+        detail::store_rows(kdst + v_offset, vin, done, run, h);
+      }
+      done += run;
+    }
+    slot.length += n;
+  }
+
+  /// View over `layer` of `seq`: one segment per chunk. O(1). @throws layer_error, batch_error.
+  [[nodiscard]] view_type view(std::size_t layer, std::size_t seq) const {
+    const Slot& slot = slot_at(layer, seq);
+    return view_type(slot.chunks.data(), chunk_len_, shape_.num_kv_heads, shape_.head_dim,
+                     static_cast<position_t>(slot.length));
+  }
+
+  [[nodiscard]] std::size_t layer_length(std::size_t layer, std::size_t seq) const {
+    return slot_at(layer, seq).length;
+  }
+  [[nodiscard]] std::size_t seq_length(std::size_t seq) const { return layer_length(0, seq); }
+  /// max_seq_len, or SIZE_MAX when unbounded.
+  [[nodiscard]] std::size_t capacity() const noexcept { return max_seq_len_; }
+  [[nodiscard]] std::size_t max_batch() const noexcept { return max_batch_; }
+  [[nodiscard]] std::size_t chunk_len() const noexcept { return chunk_len_; }
+  [[nodiscard]] CacheShape shape() const noexcept { return shape_; }
+  /// Bytes of all chunks currently allocated.
+  [[nodiscard]] std::size_t memory_bytes() const noexcept { return allocated_bytes_; }
+
+  [[nodiscard]] bool can_crop(std::size_t seq, std::size_t n) const {
+    return n <= seq_length(seq);
+  }
+
+  /// Rolls every layer of `seq` back to at most n tokens and frees chunks no longer needed.
+  /// @throws batch_error, position_error (n > seq_length); unchanged on throw.
+  void crop(std::size_t seq, std::size_t n) {
+    detail::check_crop_length(kName, seq, n, seq_length(seq));
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      Slot& slot = slots_[l * max_batch_ + seq];
+      slot.length = std::min(slot.length, n);
+      release_chunks_beyond(slot, (slot.length + chunk_len_ - 1) / chunk_len_);
+    }
+  }
+
+  /// Empties `seq` in every layer and frees its chunks. @throws batch_error.
+  void reset(std::size_t seq) {
+    detail::check_seq(kName, seq, max_batch_);
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      Slot& slot = slots_[l * max_batch_ + seq];
+      slot.length = 0;
+      release_chunks_beyond(slot, 0);
+    }
+  }
+
+ private:
+  static constexpr const char* kName = "DynamicCache";
+
+  struct Slot {
+    std::vector<AlignedBuffer<T>> chunks;
+    std::size_t length = 0;
+  };
+
+  [[nodiscard]] const Slot& slot_at(std::size_t layer, std::size_t seq) const {
+    detail::check_layer(kName, layer, shape_.num_layers);
+    detail::check_seq(kName, seq, max_batch_);
+    return slots_[layer * max_batch_ + seq];
+  }
+
+  void release_chunks_beyond(Slot& slot, std::size_t keep) noexcept {
+    if (slot.chunks.size() > keep) {
+      allocated_bytes_ -= (slot.chunks.size() - keep) * chunk_elems_ * sizeof(T);
+      slot.chunks.resize(keep);
+    }
+  }
+
+  CacheShape shape_;
+  std::size_t max_batch_;
+  std::size_t max_seq_len_;
+  std::size_t chunk_len_;
+  std::size_t chunk_elems_ = 0;
+  std::size_t allocated_bytes_ = 0;
+  std::vector<Slot> slots_;  // [layer][seq]
+};
+
+static_assert(CacheConcept<DynamicCache<float>>);
+static_assert(CacheConcept<DynamicCache<half>>);
+static_assert(CacheConcept<DynamicCache<bfloat16>>);
+
+}  // namespace kvcache

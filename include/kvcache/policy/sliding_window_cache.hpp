@@ -1,0 +1,243 @@
+// SPDX-License-Identifier: Apache-2.0
+// SlidingWindowCache: constant memory however long a sequence grows. The first num_sink_tokens
+// tokens (StreamingLLM attention sinks) are kept forever; the rest live in a ring buffer sized for
+// the attention window plus one append's worth of slack, so chunked prefill and speculative
+// rollback stay exact. Views report absolute positions, so RoPE and masks survive wrap-around.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <vector>
+
+#include "kvcache/core/buffer.hpp"
+#include "kvcache/core/cache_concept.hpp"
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/tensor.hpp"
+#include "kvcache/core/view.hpp"
+
+namespace kvcache {
+
+/// Construction parameters of a SlidingWindowCache.
+struct SlidingWindowCacheConfig {
+  std::size_t num_layers = 0;
+  std::size_t num_kv_heads = 0;
+  std::size_t head_dim = 0;
+  std::size_t max_batch = 1;
+  /// Attention window W (>= 1): a query at position p attends to keys p - W < pos <= p, plus the
+  /// sinks. Pass the same value as AttentionOptions::window.
+  std::size_t window = 0;
+  /// Tokens at positions [0, num_sink_tokens) kept forever (AttentionOptions::num_sink_tokens).
+  std::size_t num_sink_tokens = 0;
+  /// Largest n of one append (>= 1): a prefill longer than this is appended in chunks. Also
+  /// the most tokens crop() can always roll back.
+  std::size_t max_append_len = 1;
+};
+
+/// Ring-buffer cache. Per (layer, sequence): num_sink_tokens sink slots plus
+/// ring_len() = window + max_append_len - 1 ring slots, all allocated at construction; nothing
+/// allocates afterwards. Position p >= num_sink_tokens lives in ring slot
+/// (p - num_sink_tokens) % ring_len(). After appending n <= max_append_len tokens every query
+/// among them still finds its whole window in the cache.
+template <Element T>
+class SlidingWindowCache {
+ public:
+  using value_type = T;
+  using view_type = SegmentView<T, 3>;
+
+  /// @throws shape_error for a zero num_layers, num_kv_heads, head_dim, max_batch, window or
+  ///         max_append_len; capacity_error if the size overflows; std::bad_alloc.
+  explicit SlidingWindowCache(const SlidingWindowCacheConfig& config)
+      : shape_{config.num_layers, config.num_kv_heads, config.head_dim, dtype_of<T>},
+        max_batch_(config.max_batch),
+        window_(config.window),
+        num_sinks_(config.num_sink_tokens),
+        max_append_len_(config.max_append_len) {
+    detail::require_nonzero(config.num_layers, kName, "num_layers");
+    detail::require_nonzero(config.num_kv_heads, kName, "num_kv_heads");
+    detail::require_nonzero(config.head_dim, kName, "head_dim");
+    detail::require_nonzero(config.max_batch, kName, "max_batch");
+    detail::require_nonzero(config.window, kName, "window");
+    detail::require_nonzero(config.max_append_len, kName, "max_append_len");
+    ring_len_ = window_ + max_append_len_ - 1;
+    slots_per_seq_ = num_sinks_ + ring_len_;
+    storage_ = AlignedBuffer<T>(kv_cache_bytes(shape_, slots_per_seq_, max_batch_) / sizeof(T));
+    state_.assign(shape_.num_layers * max_batch_, State{0, static_cast<position_t>(num_sinks_)});
+  }
+
+  /// Appends n = k.num_tokens tokens to `layer` of `seq`, evicting the oldest non-sink tokens
+  /// once the ring is full. O(n * num_kv_heads * head_dim); never allocates.
+  /// @throws layer_error, batch_error, shape_error, capacity_error (n > max_append_len);
+  ///         the cache is unchanged on throw.
+  template <class U>
+    requires std::same_as<std::remove_const_t<U>, T> || std::same_as<std::remove_const_t<U>, float>
+  void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
+    using In = TokenBlock<const std::remove_const_t<U>>;
+    const In kin = k, vin = v;
+    detail::check_layer(kName, layer, shape_.num_layers);
+    detail::check_seq(kName, seq, max_batch_);
+    const std::size_t n = detail::check_kv_input(kName, shape_, kin, vin);
+    if (n > max_append_len_) {
+      throw capacity_error(detail::message(
+          kName, ": append of ", n, " tokens to sequence ", seq, " layer ", layer,
+          " exceeds max_append_len ", max_append_len_, " (window ", window_,
+          "); append in chunks of at most max_append_len tokens or raise it"));
+    }
+    State& st = state_[layer * max_batch_ + seq];
+    T* base = storage_.data() + slab_offset(layer, seq);
+    const std::size_t d = shape_.head_dim;
+    const std::size_t head_elems = slots_per_seq_ * d;
+    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
+    for (std::size_t done = 0; done < n;) {
+      const std::size_t pos = static_cast<std::size_t>(st.length) + done;
+      const std::size_t slot = slot_of(pos);
+      // contiguous run: up to the end of the sink region or of the ring
+      const std::size_t region_end = pos < num_sinks_ ? num_sinks_ : slots_per_seq_;
+      const std::size_t run = std::min(n - done, region_end - slot);
+      for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
+        T* kdst = base + h * head_elems + slot * d;
+        detail::store_rows(kdst, kin, done, run, h);
+        detail::store_rows(kdst + v_offset, vin, done, run, h);
+      }
+      done += run;
+    }
+    st.length += static_cast<position_t>(n);
+    st.ring_begin = std::max(st.ring_begin, st.length - static_cast<position_t>(ring_len_));
+  }
+
+  /// View over `layer` of `seq`: the sinks [0, sink_end) and the ring's positions
+  /// [recent_begin, length), as at most 3 segments (sinks, then the ring in position order).
+  /// @throws layer_error, batch_error.
+  [[nodiscard]] view_type view(std::size_t layer, std::size_t seq) const {
+    detail::check_layer(kName, layer, shape_.num_layers);
+    detail::check_seq(kName, seq, max_batch_);
+    const State& st = state_[layer * max_batch_ + seq];
+    const position_t sinks = static_cast<position_t>(num_sinks_);
+    const position_t sink_end = std::min(st.length, sinks);
+    const position_t recent_begin = st.length <= sinks ? st.length : st.ring_begin;
+    view_type view(shape_.num_kv_heads, shape_.head_dim, st.length, sink_end, recent_begin);
+    const T* base = storage_.data() + slab_offset(layer, seq);
+    const std::size_t d = shape_.head_dim;
+    const std::size_t head_elems = slots_per_seq_ * d;
+    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
+    auto push = [&](position_t first, std::size_t len) {
+      const T* k = base + slot_of(static_cast<std::size_t>(first)) * d;
+      view.push({k, k + v_offset, head_elems, first, len});
+    };
+    push(0, static_cast<std::size_t>(sink_end));
+    for (position_t p = recent_begin; p < st.length;) {
+      const std::size_t slot = slot_of(static_cast<std::size_t>(p));
+      const std::size_t run =
+          std::min(static_cast<std::size_t>(st.length - p), slots_per_seq_ - slot);
+      push(p, run);
+      p += static_cast<position_t>(run);
+    }
+    return view;
+  }
+
+  [[nodiscard]] std::size_t layer_length(std::size_t layer, std::size_t seq) const {
+    detail::check_layer(kName, layer, shape_.num_layers);
+    detail::check_seq(kName, seq, max_batch_);
+    return static_cast<std::size_t>(state_[layer * max_batch_ + seq].length);
+  }
+  [[nodiscard]] std::size_t seq_length(std::size_t seq) const { return layer_length(0, seq); }
+  /// Positions are unbounded: SIZE_MAX.
+  [[nodiscard]] std::size_t capacity() const noexcept {
+    return std::numeric_limits<std::size_t>::max();
+  }
+  [[nodiscard]] std::size_t max_batch() const noexcept { return max_batch_; }
+  [[nodiscard]] std::size_t window() const noexcept { return window_; }
+  [[nodiscard]] std::size_t num_sink_tokens() const noexcept { return num_sinks_; }
+  [[nodiscard]] std::size_t max_append_len() const noexcept { return max_append_len_; }
+  /// Ring slots per (layer, sequence): window + max_append_len - 1.
+  [[nodiscard]] std::size_t ring_len() const noexcept { return ring_len_; }
+  [[nodiscard]] CacheShape shape() const noexcept { return shape_; }
+  /// Constant: kv_cache_bytes(shape, num_sink_tokens + ring_len, max_batch).
+  [[nodiscard]] std::size_t memory_bytes() const noexcept { return storage_.bytes(); }
+
+  /// True when crop(seq, n) keeps everything a query at position n needs: n <= seq_length and,
+  /// in each layer, either n <= num_sink_tokens or the ring still holds positions
+  /// [n - window + 1, n). Always true for rollbacks of at most max_append_len tokens.
+  /// @throws batch_error.
+  [[nodiscard]] bool can_crop(std::size_t seq, std::size_t n) const {
+    if (n > seq_length(seq)) return false;
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      if (!layer_can_crop(state_[l * max_batch_ + seq], n)) return false;
+    }
+    return true;
+  }
+
+  /// Rolls every layer of `seq` back to at most n tokens.
+  /// @throws batch_error, position_error when !can_crop(seq, n); unchanged on throw.
+  void crop(std::size_t seq, std::size_t n) {
+    detail::check_crop_length(kName, seq, n, seq_length(seq));
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      const State& st = state_[l * max_batch_ + seq];
+      if (!layer_can_crop(st, n)) {
+        throw position_error(detail::message(
+            kName, ": crop of sequence ", seq, " to ", n, " tokens needs positions from ",
+            static_cast<position_t>(n) - static_cast<position_t>(window_) + 1,
+            " but layer ", l, " evicted everything before ", st.ring_begin, " (window ", window_,
+            ", max_append_len ", max_append_len_, ")"));
+      }
+    }
+    const position_t target = static_cast<position_t>(n);
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      State& st = state_[l * max_batch_ + seq];
+      if (st.length <= target) continue;
+      st.length = target;
+      if (target <= static_cast<position_t>(num_sinks_)) {
+        st.ring_begin = static_cast<position_t>(num_sinks_);
+      }
+    }
+  }
+
+  /// Empties `seq` in every layer. @throws batch_error.
+  void reset(std::size_t seq) {
+    detail::check_seq(kName, seq, max_batch_);
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      state_[l * max_batch_ + seq] = State{0, static_cast<position_t>(num_sinks_)};
+    }
+  }
+
+ private:
+  static constexpr const char* kName = "SlidingWindowCache";
+
+  struct State {
+    position_t length;      // positions appended
+    position_t ring_begin;  // oldest ring position still held (>= num_sinks)
+  };
+
+  [[nodiscard]] bool layer_can_crop(const State& st, std::size_t n) const noexcept {
+    const position_t target = static_cast<position_t>(n);
+    if (st.length <= target || n <= num_sinks_) return true;
+    return st.ring_begin <= std::max(static_cast<position_t>(num_sinks_),
+                                     target - static_cast<position_t>(window_) + 1);
+  }
+
+  [[nodiscard]] std::size_t slot_of(std::size_t pos) const noexcept {
+    return pos < num_sinks_ ? pos : num_sinks_ + (pos - num_sinks_) % ring_len_;
+  }
+
+  // Layout: [layer][seq][K, V][kv_head][num_sinks + ring_len][head_dim].
+  [[nodiscard]] std::size_t slab_offset(std::size_t layer, std::size_t seq) const noexcept {
+    return (layer * max_batch_ + seq) * 2 * shape_.num_kv_heads * slots_per_seq_ *
+           shape_.head_dim;
+  }
+
+  CacheShape shape_;
+  std::size_t max_batch_;
+  std::size_t window_;
+  std::size_t num_sinks_;
+  std::size_t max_append_len_;
+  std::size_t ring_len_ = 0;
+  std::size_t slots_per_seq_ = 0;
+  AlignedBuffer<T> storage_;
+  std::vector<State> state_;  // [layer][seq]
+};
+
+static_assert(CacheConcept<SlidingWindowCache<float>>);
+static_assert(CacheConcept<SlidingWindowCache<half>>);
+static_assert(CacheConcept<SlidingWindowCache<bfloat16>>);
+
+}  // namespace kvcache

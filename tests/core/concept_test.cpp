@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: Apache-2.0
+// CacheConcept and KVView accept every policy and reject types that miss a requirement.
+#include "kvcache/kvcache.hpp"
+#include "support/catch.hpp"
+
+using namespace kvcache;
+
+namespace {
+
+// Everything CacheConcept asks for, so that each incomplete variant below differs by one item.
+template <bool kHasCrop, bool kSizeReturns>
+struct FakeCache {
+  using value_type = float;
+  using view_type = SegmentView<float, 1>;
+  void append(std::size_t, std::size_t, TokenBlock<const float>, TokenBlock<const float>) {}
+  view_type view(std::size_t, std::size_t) const { return {}; }
+  std::size_t layer_length(std::size_t, std::size_t) const { return 0; }
+  std::size_t seq_length(std::size_t) const { return 0; }
+  std::size_t capacity() const { return 0; }
+  std::size_t max_batch() const { return 1; }
+  bool can_crop(std::size_t, std::size_t) const { return true; }
+  void crop(std::size_t, std::size_t)
+    requires kHasCrop
+  {}
+  void reset(std::size_t) {}
+  auto memory_bytes() const {
+    if constexpr (kSizeReturns) {
+      return std::size_t{0};
+    } else {
+      return;
+    }
+  }
+  CacheShape shape() const { return {}; }
+};
+
+struct NoSegmentsView {
+  using value_type = float;
+  std::size_t num_kv_heads() const { return 0; }
+  std::size_t head_dim() const { return 0; }
+  position_t length() const { return 0; }
+  position_t sink_end() const { return 0; }
+  position_t recent_begin() const { return 0; }
+};
+
+}  // namespace
+
+TEST_CASE("every policy models CacheConcept, and its view models KVView") {
+  STATIC_REQUIRE(CacheConcept<StaticCache<float>>);
+  STATIC_REQUIRE(CacheConcept<DynamicCache<half>>);
+  STATIC_REQUIRE(CacheConcept<SlidingWindowCache<bfloat16>>);
+  STATIC_REQUIRE(CacheConcept<TokenTrackedCache<StaticCache<half>>>);
+  STATIC_REQUIRE(CacheConcept<TokenTrackedCache<SlidingWindowCache<float>>>);
+  STATIC_REQUIRE(KVView<SegmentView<half, 3>>);
+  STATIC_REQUIRE(KVView<ChunkedView<bfloat16>>);
+}
+
+TEST_CASE("types missing a requirement are rejected") {
+  STATIC_REQUIRE(CacheConcept<FakeCache<true, true>>);    // the complete fake is accepted
+  STATIC_REQUIRE(!CacheConcept<FakeCache<false, true>>);  // no crop
+  STATIC_REQUIRE(!CacheConcept<FakeCache<true, false>>);  // memory_bytes returns void
+  STATIC_REQUIRE(!CacheConcept<int>);
+  STATIC_REQUIRE(!KVView<NoSegmentsView>);
+  STATIC_REQUIRE(!KVView<StaticCache<float>>);  // a cache is not a view: attend() takes views
+}
