@@ -31,11 +31,15 @@ struct DecodeFixture {
     if (f.context != context) {
       f.cache.reset();
       f.context = context;
-      const std::size_t per_layer = kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(T));
+      const std::size_t per_layer =
+          kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(T));
       f.layers = std::max<std::size_t>(2, kWorkingSetBytes / per_layer);
-      f.cache = std::make_unique<kvcache::StaticCache<T>>(kvcache::StaticCacheConfig{
-          .num_layers = f.layers, .num_kv_heads = kKvHeads, .head_dim = kHeadDim,
-          .max_batch = 1, .max_seq_len = context});
+      f.cache = std::make_unique<kvcache::StaticCache<T>>(
+          kvcache::StaticCacheConfig{.num_layers = f.layers,
+                                     .num_kv_heads = kKvHeads,
+                                     .head_dim = kHeadDim,
+                                     .max_batch = 1,
+                                     .max_seq_len = context});
       std::mt19937 rng(42);
       std::normal_distribution<float> dist;
       const std::size_t chunk = std::min<std::size_t>(context, 1024);
@@ -68,8 +72,10 @@ void BM_DecodeAttention(benchmark::State& state) {
     benchmark::ClobberMemory();
     layer = (layer + 1) % f.layers;
   }
-  const double bytes = static_cast<double>(kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(T)));
-  state.SetBytesProcessed(static_cast<std::int64_t>(bytes * static_cast<double>(state.iterations())));
+  const double bytes =
+      static_cast<double>(kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(T)));
+  state.SetBytesProcessed(
+      static_cast<std::int64_t>(bytes * static_cast<double>(state.iterations())));
 }
 
 // Memory-read baseline: sum a buffer much larger than the last-level cache with `threads`
@@ -93,7 +99,8 @@ void BM_MemoryRead(benchmark::State& state) {
     });
     benchmark::DoNotOptimize(sums.data());
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(per * threads * sizeof(float)) * state.iterations());
+  state.SetBytesProcessed(static_cast<std::int64_t>(per * threads * sizeof(float)) *
+                          state.iterations());
 }
 
 BENCHMARK(BM_MemoryRead)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime();
@@ -116,12 +123,12 @@ int main(int argc, char** argv) {
     for (const char* dtype : {"float", "kvcache::half"}) {
       for (int ctx : {1024, 4096, 16384, 32768}) {
         for (int t : {1, 2}) {
-          const std::string name = std::string("BM_DecodeAttention<") + dtype + ">/context:" +
-                                   std::to_string(ctx) + "/threads:" + std::to_string(t) +
-                                   "/real_time";
+          const std::string name = std::string("BM_DecodeAttention<") + dtype +
+                                   ">/context:" + std::to_string(ctx) +
+                                   "/threads:" + std::to_string(t) + "/real_time";
           const double attn = r.figure(name, "bytes_per_second");
-          const double read =
-              r.figure("BM_MemoryRead/threads:" + std::to_string(t) + "/real_time", "bytes_per_second");
+          const double read = r.figure("BM_MemoryRead/threads:" + std::to_string(t) + "/real_time",
+                                       "bytes_per_second");
           if (attn == 0 || read == 0) continue;
           std::printf("%-8s %8d %8d %12.2f %12.2f %7.3f\n", dtype[0] == 'f' ? "float" : "half", ctx,
                       t, attn / 1e9, read / 1e9, attn / read);

@@ -106,8 +106,11 @@ void fast_matches_reference(cpu::Kernel kernel, bool simd_dims, const char* name
   for (int iter = 0; iter < 60; ++iter) {
     const RandomCase c = random_case(rng, simd_dims);
     const std::size_t q_heads = c.kv_heads * c.group;
-    StaticCache<T> cache({.num_layers = 1, .num_kv_heads = c.kv_heads, .head_dim = c.dim,
-                          .max_batch = 1, .max_seq_len = c.context});
+    StaticCache<T> cache({.num_layers = 1,
+                          .num_kv_heads = c.kv_heads,
+                          .head_dim = c.dim,
+                          .max_batch = 1,
+                          .max_seq_len = c.context});
     const auto kv = kvcache::test::random_kv(rng, c.context, c.kv_heads, c.dim);
     kvcache::test::append_in_chunks(cache, 0, 0, kv, 0, c.context, {1, 7, 64, 3});
     const auto q = kvcache::test::normal_floats(rng, c.queries * q_heads * c.dim);
@@ -115,8 +118,8 @@ void fast_matches_reference(cpu::Kernel kernel, bool simd_dims, const char* name
     std::vector<float> expect(q.size()), got(q.size(), -1.0f);
     reference::attend(qb, cache.view(0, 0), {expect, c.queries, q_heads, c.dim}, c.opts);
     cpu::attend(qb, cache.view(0, 0), {got, c.queries, q_heads, c.dim}, c.opts, kernel);
-    INFO("iter " << iter << ": kv_heads " << c.kv_heads << " group " << c.group << " dim "
-                 << c.dim << " context " << c.context << " queries " << c.queries << " window "
+    INFO("iter " << iter << ": kv_heads " << c.kv_heads << " group " << c.group << " dim " << c.dim
+                 << " context " << c.context << " queries " << c.queries << " window "
                  << c.opts.window << " sinks " << c.opts.num_sink_tokens << " softcap "
                  << c.opts.softcap << " causal " << c.opts.causal);
     // Same stored K/V on both sides: the only differences are fp32 vs double accumulation.
@@ -126,8 +129,8 @@ void fast_matches_reference(cpu::Kernel kernel, bool simd_dims, const char* name
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("portable kernel equals the reference over random shapes and options", "",
-                   float, half, bfloat16) {
+TEMPLATE_TEST_CASE("portable kernel equals the reference over random shapes and options", "", float,
+                   half, bfloat16) {
   fast_matches_reference<TestType>(cpu::Kernel::portable, false, "portable-odd-dims");
   fast_matches_reference<TestType>(cpu::Kernel::portable, true, "portable-simd-dims");
 }
@@ -148,7 +151,9 @@ TEST_CASE("automatic kernel choice falls back to portable for head_dim not a mul
   attend({q, 1, 1, 5}, cache.view(0, 0), {out, 1, 1, 5});
   kvcache::test::require_close(out, std::vector<float>(5, 1.0f), Tolerance{1e-6, 0});
   kvcache::test::require_throws<shape_error>(
-      [&] { cpu::attend({q, 1, 1, 5}, cache.view(0, 0), {out, 1, 1, 5}, {}, cpu::Kernel::avx2); },
+      [&] {
+        cpu::attend({q, 1, 1, 5}, cache.view(0, 0), {out, 1, 1, 5}, {}, cpu::Kernel::avx2);
+      },
       "avx2", "multiple of 8");
 }
 
@@ -156,7 +161,8 @@ TEST_CASE("threaded attention is bitwise equal to serial attention") {
   auto rng = kvcache::test::make_rng("threaded");
   ThreadPool pool(2);
   for (std::size_t queries : {1, 17}) {
-    StaticCache<half> cache({.num_layers = 1, .num_kv_heads = 8, .head_dim = 64, .max_seq_len = 900});
+    StaticCache<half> cache(
+        {.num_layers = 1, .num_kv_heads = 8, .head_dim = 64, .max_seq_len = 900});
     const auto kv = kvcache::test::random_kv(rng, 900, 8, 64);
     kvcache::test::append_in_chunks(cache, 0, 0, kv, 0, 900, {100});
     const auto q = kvcache::test::normal_floats(rng, queries * 32 * 64);
@@ -171,8 +177,11 @@ TEST_CASE("attend_batch equals attending each sequence alone") {
   auto rng = kvcache::test::make_rng("batch");
   ThreadPool pool(2);
   const std::size_t heads = 2, group = 4, dim = 32, batch = 5;
-  StaticCache<bfloat16> cache(
-      {.num_layers = 1, .num_kv_heads = heads, .head_dim = dim, .max_batch = batch, .max_seq_len = 256});
+  StaticCache<bfloat16> cache({.num_layers = 1,
+                               .num_kv_heads = heads,
+                               .head_dim = dim,
+                               .max_batch = batch,
+                               .max_seq_len = 256});
   std::vector<std::vector<float>> qs, outs;
   std::vector<AttentionTask<StaticCache<bfloat16>::view_type>> tasks;
   for (std::size_t s = 0; s < batch; ++s) {
@@ -183,9 +192,11 @@ TEST_CASE("attend_batch equals attending each sequence alone") {
     outs.emplace_back(heads * group * dim);
   }
   for (std::size_t s = 0; s < batch; ++s) {
-    tasks.push_back({{qs[s], 1, heads * group, dim}, cache.view(0, s), {outs[s], 1, heads * group, dim}, {}});
+    tasks.push_back(
+        {{qs[s], 1, heads * group, dim}, cache.view(0, s), {outs[s], 1, heads * group, dim}, {}});
   }
-  attend_batch(std::span<const AttentionTask<StaticCache<bfloat16>::view_type>>(tasks), {.pool = &pool});
+  attend_batch(std::span<const AttentionTask<StaticCache<bfloat16>::view_type>>(tasks),
+               {.pool = &pool});
   for (std::size_t s = 0; s < batch; ++s) {
     std::vector<float> alone(outs[s].size());
     attend({qs[s], 1, heads * group, dim}, cache.view(0, s), {alone, 1, heads * group, dim});
@@ -212,28 +223,48 @@ TEST_CASE("attention rejects bad shapes and positions with the numbers") {
   const auto view = cache.view(0, 0);
   std::vector<float> q6(6 * 8), out6(6 * 8), q(4 * 8), out(4 * 8), q16(3 * 16), out16(3 * 16);
   using kvcache::test::require_throws;
-  require_throws<shape_error>([&] { attend({q6, 1, 6, 8}, view, {out6, 1, 6, 8}); },
-                              "num_q_heads 6", "num_kv_heads 4");
-  require_throws<shape_error>([&] { attend({q16, 1, 3, 16}, view, {out16, 1, 3, 16}); },
-                              "head_dim 16", "head_dim 8");
   require_throws<shape_error>(
-      [&] { attend({q, 1, 4, 8}, view, {std::span<float>(out).first(28), 1, 4, 7}); },
+      [&] {
+        attend({q6, 1, 6, 8}, view, {out6, 1, 6, 8});
+      },
+      "num_q_heads 6", "num_kv_heads 4");
+  require_throws<shape_error>(
+      [&] {
+        attend({q16, 1, 3, 16}, view, {out16, 1, 3, 16});
+      },
+      "head_dim 16", "head_dim 8");
+  require_throws<shape_error>(
+      [&] {
+        attend({q, 1, 4, 8}, view, {std::span<float>(out).first(28), 1, 4, 7});
+      },
       "output shape [1][4][7]", "[1][4][8]");
   require_throws<shape_error>(
-      [&] { attend({std::span<const float>(q).first(10), 1, 4, 8}, view, {out, 1, 4, 8}); },
+      [&] {
+        attend({std::span<const float>(q).first(10), 1, 4, 8}, view, {out, 1, 4, 8});
+      },
       "holds 10", "needs 32");
   require_throws<position_error>(
-      [&] { attend({q, 1, 4, 8}, view, {out, 1, 4, 8}, {.query_pos = 4}); }, "position 4",
-      "ends at position 3");
+      [&] {
+        attend({q, 1, 4, 8}, view, {out, 1, 4, 8}, {.query_pos = 4});
+      },
+      "position 4", "ends at position 3");
   require_throws<shape_error>(
-      [&] { attend({q, 1, 4, 8}, view, {out, 1, 4, 8}, {.causal = false, .window = 2}); },
+      [&] {
+        attend({q, 1, 4, 8}, view, {out, 1, 4, 8}, {.causal = false, .window = 2});
+      },
       "window 2", "causal");
   require_throws<shape_error>(
-      [&] { attend({q, 1, 4, 8}, view, {out, 1, 4, 8}, {.scale = -1.0f}); }, "scale");
+      [&] {
+        attend({q, 1, 4, 8}, view, {out, 1, 4, 8}, {.scale = -1.0f});
+      },
+      "scale");
   StaticCache<float> wide({.num_layers = 1, .num_kv_heads = 1, .head_dim = 1024, .max_seq_len = 1});
   std::vector<float> w(1024);
   wide.append(0, 0, TokenBlock<const float>{w, 1, 1, 1024}, TokenBlock<const float>{w, 1, 1, 1024});
   std::vector<float> wout(1024);
-  require_throws<shape_error>([&] { attend({w, 1, 1, 1024}, wide.view(0, 0), {wout, 1, 1, 1024}); },
-                              "head_dim 1024", "512");
+  require_throws<shape_error>(
+      [&] {
+        attend({w, 1, 1, 1024}, wide.view(0, 0), {wout, 1, 1, 1024});
+      },
+      "head_dim 1024", "512");
 }

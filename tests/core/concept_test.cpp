@@ -19,9 +19,7 @@ struct FakeCache {
   std::size_t capacity() const { return 0; }
   std::size_t max_batch() const { return 1; }
   bool can_crop(std::size_t, std::size_t) const { return true; }
-  void crop(std::size_t, std::size_t)
-    requires kHasCrop
-  {}
+  void crop(std::size_t, std::size_t) requires kHasCrop {}
   void reset(std::size_t) {}
   auto memory_bytes() const {
     if constexpr (kSizeReturns) {

@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // Element types: half and bfloat16 convert exactly like the hardware (round-to-nearest-even),
 // checked exhaustively or against independent references, and against F16C where the CPU has it.
+#include "kvcache/core/dtype.hpp"
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
-#include "kvcache/core/dtype.hpp"
 #include "support/catch.hpp"
 #include "support/rng.hpp"
 #include "support/throws.hpp"
@@ -37,7 +38,10 @@ std::uint16_t half_reference(float f) {
   std::uint16_t lo = 0, hi = 0x7bff;  // binary search the largest half <= a
   while (lo < hi) {
     const std::uint16_t mid = static_cast<std::uint16_t>((lo + hi + 1) / 2);
-    if (half_value(mid) <= a) lo = mid; else hi = static_cast<std::uint16_t>(mid - 1);
+    if (half_value(mid) <= a)
+      lo = mid;
+    else
+      hi = static_cast<std::uint16_t>(mid - 1);
   }
   if (half_value(lo) == a || lo == 0x7bff) return sign | lo;
   const double below = half_value(lo), above = half_value(static_cast<std::uint16_t>(lo + 1));
@@ -56,9 +60,10 @@ std::uint16_t bf16_reference(float f) {
   const std::uint16_t up = static_cast<std::uint16_t>(down + 1);  // next magnitude, same sign
   const double x = std::fabs(static_cast<double>(f));
   const double a = std::fabs(static_cast<double>(std::bit_cast<float>(std::uint32_t{down} << 16)));
-  const double b = (up & 0x7fff) == 0x7f80 ? std::ldexp(1.0, 128)
-                                           : std::fabs(static_cast<double>(
-                                                 std::bit_cast<float>(std::uint32_t{up} << 16)));
+  const double b =
+      (up & 0x7fff) == 0x7f80
+          ? std::ldexp(1.0, 128)
+          : std::fabs(static_cast<double>(std::bit_cast<float>(std::uint32_t{up} << 16)));
   if (x - a < b - x) return down;
   if (b - x < x - a) return up;
   return (down & 1) ? up : down;
@@ -197,10 +202,11 @@ TEST_CASE("DType tags, sizes, names and dispatch") {
   STATIC_REQUIRE(dtype_bytes(DType::bf16) == 2);
   REQUIRE(std::string(dtype_name(DType::f16)) == "f16");
   for (DType d : {DType::f32, DType::f16, DType::bf16}) {
-    const std::size_t size = dispatch_dtype(d, [](auto tag) { return sizeof(typename decltype(tag)::type); });
+    const std::size_t size =
+        dispatch_dtype(d, [](auto tag) { return sizeof(typename decltype(tag)::type); });
     REQUIRE(size == dtype_bytes(d));
   }
   kvcache::test::require_throws<shape_error>(
-      [] { (void)dispatch_dtype(static_cast<DType>(7), [](auto) { return 0; }); }, "dtype 7",
-      "f32", "f16", "bf16");
+      [] { (void)dispatch_dtype(static_cast<DType>(7), [](auto) { return 0; }); }, "dtype 7", "f32",
+      "f16", "bf16");
 }

@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // ThreadPool: every index runs exactly once, exceptions reach the caller, concurrent and nested
 // calls are safe.
+#include "kvcache/core/thread_pool.hpp"
+
 #include <atomic>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
-#include "kvcache/core/thread_pool.hpp"
 #include "support/catch.hpp"
 #include "support/throws.hpp"
 

@@ -23,8 +23,11 @@ template <Element T>
 struct Policy<StaticCache<T>> {
   static StaticCache<T> make(std::size_t layers, std::size_t heads, std::size_t dim,
                              std::size_t batch, std::size_t capacity) {
-    return StaticCache<T>({.num_layers = layers, .num_kv_heads = heads, .head_dim = dim,
-                           .max_batch = batch, .max_seq_len = capacity});
+    return StaticCache<T>({.num_layers = layers,
+                           .num_kv_heads = heads,
+                           .head_dim = dim,
+                           .max_batch = batch,
+                           .max_seq_len = capacity});
   }
   static constexpr std::size_t kMaxChunk = 1u << 20;
 };
@@ -33,8 +36,12 @@ template <Element T>
 struct Policy<DynamicCache<T>> {
   static DynamicCache<T> make(std::size_t layers, std::size_t heads, std::size_t dim,
                               std::size_t batch, std::size_t capacity) {
-    return DynamicCache<T>({.num_layers = layers, .num_kv_heads = heads, .head_dim = dim,
-                            .max_batch = batch, .max_seq_len = capacity, .chunk_len = 16});
+    return DynamicCache<T>({.num_layers = layers,
+                            .num_kv_heads = heads,
+                            .head_dim = dim,
+                            .max_batch = batch,
+                            .max_seq_len = capacity,
+                            .chunk_len = 16});
   }
   static constexpr std::size_t kMaxChunk = 1u << 20;
 };
@@ -44,8 +51,12 @@ template <Element T>
 struct Policy<SlidingWindowCache<T>> {
   static SlidingWindowCache<T> make(std::size_t layers, std::size_t heads, std::size_t dim,
                                     std::size_t batch, std::size_t capacity) {
-    return SlidingWindowCache<T>({.num_layers = layers, .num_kv_heads = heads, .head_dim = dim,
-                                  .max_batch = batch, .window = capacity, .num_sink_tokens = 3,
+    return SlidingWindowCache<T>({.num_layers = layers,
+                                  .num_kv_heads = heads,
+                                  .head_dim = dim,
+                                  .max_batch = batch,
+                                  .window = capacity,
+                                  .num_sink_tokens = 3,
                                   .max_append_len = kMaxChunk});
   }
   static constexpr std::size_t kMaxChunk = 64;
@@ -60,25 +71,28 @@ Tolerance unrounded_tolerance() {
 
 }  // namespace
 
-#define KVCACHE_ALL_POLICIES                                                             \
-  StaticCache<float>, StaticCache<half>, StaticCache<bfloat16>, DynamicCache<float>,     \
-      DynamicCache<half>, DynamicCache<bfloat16>, SlidingWindowCache<float>,             \
+#define KVCACHE_ALL_POLICIES                                                         \
+  StaticCache<float>, StaticCache<half>, StaticCache<bfloat16>, DynamicCache<float>, \
+      DynamicCache<half>, DynamicCache<bfloat16>, SlidingWindowCache<float>,         \
       SlidingWindowCache<half>, SlidingWindowCache<bfloat16>
 
-TEMPLATE_TEST_CASE("attention over a cache filled in random chunks over several turns equals "
-                   "attention recomputed from scratch",
-                   "", KVCACHE_ALL_POLICIES) {
+TEMPLATE_TEST_CASE(
+    "attention over a cache filled in random chunks over several turns equals "
+    "attention recomputed from scratch",
+    "", KVCACHE_ALL_POLICIES) {
   using T = typename TestType::value_type;
   auto rng = kvcache::test::make_rng("chunked-fill");
   constexpr std::size_t kLayers = 2, kHeads = 2, kGroup = 4, kDim = 32, kBatch = 3, kTotal = 300;
   auto cache = Policy<TestType>::make(kLayers, kHeads, kDim, kBatch, kTotal);
-  const AttentionOptions opts{.window = std::is_same_v<TestType, SlidingWindowCache<T>> ? kTotal : 0,
-                              .num_sink_tokens = std::is_same_v<TestType, SlidingWindowCache<T>> ? 3u : 0u};
+  const AttentionOptions opts{
+      .window = std::is_same_v<TestType, SlidingWindowCache<T>> ? kTotal : 0,
+      .num_sink_tokens = std::is_same_v<TestType, SlidingWindowCache<T>> ? 3u : 0u};
   // per sequence, per layer: the tokens' K/V
   std::vector<std::vector<kvcache::test::TokenKV>> data(kBatch);
   std::vector<std::size_t> len(kBatch, 0);
   for (auto& seq : data) {
-    for (std::size_t l = 0; l < kLayers; ++l) seq.push_back(kvcache::test::random_kv(rng, kTotal, kHeads, kDim));
+    for (std::size_t l = 0; l < kLayers; ++l)
+      seq.push_back(kvcache::test::random_kv(rng, kTotal, kHeads, kDim));
   }
   const std::vector<std::size_t> sizes{1, 7, 64, 3, 1, 33};
   for (int turn = 0; turn < 12; ++turn) {
@@ -87,7 +101,8 @@ TEMPLATE_TEST_CASE("attention over a cache filled in random chunks over several 
     if (n == 0) continue;
     std::vector<std::size_t> chunked;
     for (std::size_t c : sizes) chunked.push_back(std::min(c, Policy<TestType>::kMaxChunk));
-    std::rotate(chunked.begin(), chunked.begin() + static_cast<std::ptrdiff_t>(turn % 6), chunked.end());
+    std::rotate(chunked.begin(), chunked.begin() + static_cast<std::ptrdiff_t>(turn % 6),
+                chunked.end());
     for (std::size_t l = 0; l < kLayers; ++l) {
       kvcache::test::append_in_chunks(cache, l, s, data[s][l], len[s], n, chunked);
     }
@@ -161,8 +176,9 @@ TEMPLATE_TEST_CASE("every bad argument throws a typed error naming the numbers, 
   const auto before = kvcache::test::cache_contents(cache);
   const auto wrong_dim = kvcache::test::random_kv(rng, 2, 2, 4);
   const auto wrong_heads = kvcache::test::random_kv(rng, 2, 4, 8);
-  require_throws<shape_error>([&] { cache.append(0, 1, wrong_dim.k_block(0, 2), wrong_dim.v_block(0, 2)); },
-                              "head_dim 4", "head_dim 8");
+  require_throws<shape_error>(
+      [&] { cache.append(0, 1, wrong_dim.k_block(0, 2), wrong_dim.v_block(0, 2)); }, "head_dim 4",
+      "head_dim 8");
   require_throws<shape_error>(
       [&] { cache.append(0, 1, wrong_heads.k_block(0, 2), wrong_heads.v_block(0, 2)); }, "4 heads",
       "2 heads");
@@ -179,7 +195,9 @@ TEMPLATE_TEST_CASE("every bad argument throws a typed error naming the numbers, 
   REQUIRE_FALSE(cache.can_crop(1, 6));
   std::vector<float> q(5 * 8), out(5 * 8);
   require_throws<shape_error>(
-      [&] { attend({q, 1, 5, 8}, cache.view(0, 1), {out, 1, 5, 8}); }, "num_q_heads 5",
-      "num_kv_heads 2");
+      [&] {
+        attend({q, 1, 5, 8}, cache.view(0, 1), {out, 1, 5, 8});
+      },
+      "num_q_heads 5", "num_kv_heads 2");
   REQUIRE(kvcache::test::cache_contents(cache) == before);
 }

@@ -33,8 +33,12 @@ TEST_CASE("DynamicCache grows one chunk at a time and never moves cached tokens"
 }
 
 TEST_CASE("DynamicCache with max_seq_len throws capacity_error and changes nothing") {
-  DynamicCache<float> cache({.num_layers = 1, .num_kv_heads = 1, .head_dim = 2, .max_batch = 2,
-                             .max_seq_len = 5, .chunk_len = 2});
+  DynamicCache<float> cache({.num_layers = 1,
+                             .num_kv_heads = 1,
+                             .head_dim = 2,
+                             .max_batch = 2,
+                             .max_seq_len = 5,
+                             .chunk_len = 2});
   std::vector<float> kv(12, 1.0f);
   cache.append(0, 1, TokenBlock<const float>{std::span<const float>(kv).first(8), 4, 1, 2},
                TokenBlock<const float>{std::span<const float>(kv).first(8), 4, 1, 2});

@@ -15,8 +15,12 @@ TEST_CASE("sliding window attention equals the windowed reference across many wr
   for (std::size_t sinks : {0, 1, 4}) {
     for (std::size_t max_append : {1, 5, 16}) {
       const std::size_t window = 24, heads = 2, group = 2, dim = 16, total = 400;
-      SlidingWindowCache<float> cache({.num_layers = 2, .num_kv_heads = heads, .head_dim = dim,
-                                       .max_batch = 2, .window = window, .num_sink_tokens = sinks,
+      SlidingWindowCache<float> cache({.num_layers = 2,
+                                       .num_kv_heads = heads,
+                                       .head_dim = dim,
+                                       .max_batch = 2,
+                                       .window = window,
+                                       .num_sink_tokens = sinks,
                                        .max_append_len = max_append});
       const std::size_t bytes = cache.memory_bytes();
       const auto kv = kvcache::test::random_kv(rng, total, heads, dim);
@@ -24,7 +28,8 @@ TEST_CASE("sliding window attention equals the windowed reference across many wr
       std::size_t len = 0;
       while (len < total) {
         const std::size_t n = std::min(kvcache::test::uniform(rng, 1, max_append), total - len);
-        for (std::size_t l = 0; l < 2; ++l) cache.append(l, 1, kv.k_block(len, n), kv.v_block(len, n));
+        for (std::size_t l = 0; l < 2; ++l)
+          cache.append(l, 1, kv.k_block(len, n), kv.v_block(len, n));
         len += n;
         const auto view = cache.view(1, 1);
         const auto positions = kvcache::test::check_view_invariants(view);
@@ -34,8 +39,9 @@ TEST_CASE("sliding window attention equals the windowed reference across many wr
         const auto q = kvcache::test::normal_floats(rng, n * heads * group * dim);
         std::vector<float> got(q.size());
         attend({q, n, heads * group, dim}, view, {got, n, heads * group, dim}, opts);
-        const auto expect = kvcache::test::scratch_attention(
-            q, n, heads * group, kv.k, kv.v, len, heads, dim, static_cast<position_t>(len - n), opts);
+        const auto expect =
+            kvcache::test::scratch_attention(q, n, heads * group, kv.k, kv.v, len, heads, dim,
+                                             static_cast<position_t>(len - n), opts);
         INFO("sinks " << sinks << " max_append " << max_append << " length " << len);
         kvcache::test::require_close(got, expect, Tolerance{2e-5, 2e-5});
         REQUIRE(cache.memory_bytes() == bytes);
@@ -46,8 +52,12 @@ TEST_CASE("sliding window attention equals the windowed reference across many wr
 }
 
 TEST_CASE("sliding window views report absolute positions and the evicted gap") {
-  SlidingWindowCache<float> cache({.num_layers = 1, .num_kv_heads = 1, .head_dim = 1, .window = 4,
-                                   .num_sink_tokens = 2, .max_append_len = 1});
+  SlidingWindowCache<float> cache({.num_layers = 1,
+                                   .num_kv_heads = 1,
+                                   .head_dim = 1,
+                                   .window = 4,
+                                   .num_sink_tokens = 2,
+                                   .max_append_len = 1});
   std::vector<float> x{0.0f};
   for (int p = 0; p < 11; ++p) {
     x[0] = static_cast<float>(p);
@@ -71,33 +81,45 @@ TEST_CASE("attention over an evicted window without the window option is refused
     cache.append(0, 0, TokenBlock<const float>{x, 1, 1, 2}, TokenBlock<const float>{x, 1, 1, 2});
   }
   kvcache::test::require_throws<position_error>(
-      [&] { attend({x, 1, 1, 2}, cache.view(0, 0), {out, 1, 1, 2}); }, "position 5",
-      "evicted [0, 3)");
+      [&] {
+        attend({x, 1, 1, 2}, cache.view(0, 0), {out, 1, 1, 2});
+      },
+      "position 5", "evicted [0, 3)");
   attend({x, 1, 1, 2}, cache.view(0, 0), {out, 1, 1, 2}, {.window = 3});
   // a larger window than the cache keeps is refused too
   kvcache::test::require_throws<position_error>(
-      [&] { attend({x, 1, 1, 2}, cache.view(0, 0), {out, 1, 1, 2}, {.window = 4}); }, "window 4");
+      [&] {
+        attend({x, 1, 1, 2}, cache.view(0, 0), {out, 1, 1, 2}, {.window = 4});
+      },
+      "window 4");
 }
 
 TEST_CASE("sliding window append longer than max_append_len is refused, cache unchanged") {
-  SlidingWindowCache<float> cache({.num_layers = 1, .num_kv_heads = 1, .head_dim = 2, .window = 8,
-                                   .max_append_len = 4});
+  SlidingWindowCache<float> cache(
+      {.num_layers = 1, .num_kv_heads = 1, .head_dim = 2, .window = 8, .max_append_len = 4});
   std::vector<float> x(10, 1.0f);
   cache.append(0, 0, TokenBlock<const float>{std::span<const float>(x).first(6), 3, 1, 2},
                TokenBlock<const float>{std::span<const float>(x).first(6), 3, 1, 2});
   const auto before = kvcache::test::cache_contents(cache);
   kvcache::test::require_throws<capacity_error>(
-      [&] { cache.append(0, 0, TokenBlock<const float>{x, 5, 1, 2}, TokenBlock<const float>{x, 5, 1, 2}); },
+      [&] {
+        cache.append(0, 0, TokenBlock<const float>{x, 5, 1, 2},
+                     TokenBlock<const float>{x, 5, 1, 2});
+      },
       "append of 5 tokens", "max_append_len 4", "window 8");
   REQUIRE(kvcache::test::cache_contents(cache) == before);
 }
 
-TEST_CASE("sliding window crop: rollbacks up to max_append_len always work, deeper ones only "
-          "where nothing needed was evicted") {
+TEST_CASE(
+    "sliding window crop: rollbacks up to max_append_len always work, deeper ones only "
+    "where nothing needed was evicted") {
   auto rng = kvcache::test::make_rng("sliding-crop");
   const std::size_t window = 8, sinks = 2, max_append = 3, dim = 4;
-  SlidingWindowCache<float> cache({.num_layers = 2, .num_kv_heads = 1, .head_dim = dim,
-                                   .window = window, .num_sink_tokens = sinks,
+  SlidingWindowCache<float> cache({.num_layers = 2,
+                                   .num_kv_heads = 1,
+                                   .head_dim = dim,
+                                   .window = window,
+                                   .num_sink_tokens = sinks,
                                    .max_append_len = max_append});
   const auto kv = kvcache::test::random_kv(rng, 200, 1, dim);
   const AttentionOptions opts{.window = window, .num_sink_tokens = sinks};
@@ -113,7 +135,8 @@ TEST_CASE("sliding window crop: rollbacks up to max_append_len always work, deep
     len -= back;
     // re-append the same tokens and check attention of the last one against the reference
     if (back > 0) {
-      for (std::size_t l = 0; l < 2; ++l) cache.append(l, 0, kv.k_block(len, back), kv.v_block(len, back));
+      for (std::size_t l = 0; l < 2; ++l)
+        cache.append(l, 0, kv.k_block(len, back), kv.v_block(len, back));
       len += back;
     }
     const auto q = kvcache::test::normal_floats(rng, dim);
@@ -127,8 +150,8 @@ TEST_CASE("sliding window crop: rollbacks up to max_append_len always work, deep
   REQUIRE(len > 40);
   REQUIRE_FALSE(cache.can_crop(0, len - 20));
   const auto before = kvcache::test::cache_contents(cache);
-  kvcache::test::require_throws<position_error>([&] { cache.crop(0, len - 20); }, "crop of sequence 0",
-                                                "evicted everything before");
+  kvcache::test::require_throws<position_error>([&] { cache.crop(0, len - 20); },
+                                                "crop of sequence 0", "evicted everything before");
   REQUIRE(kvcache::test::cache_contents(cache) == before);
   // back into the sinks is always possible
   REQUIRE(cache.can_crop(0, sinks));

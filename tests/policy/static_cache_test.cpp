@@ -2,6 +2,7 @@
 // StaticCache: allocates once, never again; overflow and bad indices throw typed errors naming
 // the numbers and leave the cache exactly as it was.
 #include <atomic>
+#include <cstddef>
 #include <cstdlib>
 #include <new>
 
@@ -12,29 +13,66 @@
 
 using namespace kvcache;
 
-// Counts every global allocation made by this test program.
+// Counts every global allocation made by this test program. (GCC flags free() of memory from the
+// replaced operator new, which is exactly what these replacements pair up.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
 namespace {
 std::atomic<std::size_t> g_allocations{0};
 }
-void* operator new(std::size_t n) {
+namespace {
+void* counted_alloc(std::size_t n, std::size_t align) {
   g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
+  void* p = align <= alignof(std::max_align_t)
+                ? std::malloc(n == 0 ? 1 : n)
+                : std::aligned_alloc(align, (n + align - 1) / align * align);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
 }
+}  // namespace
+void* operator new(std::size_t n) { return counted_alloc(n, 0); }
+void* operator new[](std::size_t n) { return counted_alloc(n, 0); }
 void* operator new(std::size_t n, std::align_val_t a) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  const std::size_t align = static_cast<std::size_t>(a);
-  if (void* p = std::aligned_alloc(align, (n + align - 1) / align * align)) return p;
-  throw std::bad_alloc();
+  return counted_alloc(n, static_cast<std::size_t>(a));
+}
+void* operator new[](std::size_t n, std::align_val_t a) {
+  return counted_alloc(n, static_cast<std::size_t>(a));
+}
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return counted_alloc(n, 0);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
+void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  try {
+    return counted_alloc(n, static_cast<std::size_t>(a));
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t& t) noexcept {
+  return operator new(n, a, t);
 }
 void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 TEST_CASE("StaticCache allocates at construction and never again over 10k appends") {
-  StaticCache<half> cache({.num_layers = 2, .num_kv_heads = 2, .head_dim = 16, .max_batch = 3,
-                           .max_seq_len = 10'000});
+  StaticCache<half> cache(
+      {.num_layers = 2, .num_kv_heads = 2, .head_dim = 16, .max_batch = 3, .max_seq_len = 10'000});
   const std::vector<float> k(2 * 16, 0.5f), v(2 * 16, -0.5f);
   const TokenBlock<const float> kb{k, 1, 2, 16}, vb{v, 1, 2, 16};
   cache.append(0, 0, kb, vb);
@@ -55,8 +93,8 @@ TEST_CASE("StaticCache allocates at construction and never again over 10k append
 
 TEST_CASE("StaticCache overflow throws capacity_error naming the numbers, cache unchanged") {
   auto rng = kvcache::test::make_rng("static-overflow");
-  StaticCache<float> cache({.num_layers = 2, .num_kv_heads = 2, .head_dim = 8, .max_batch = 4,
-                            .max_seq_len = 16});
+  StaticCache<float> cache(
+      {.num_layers = 2, .num_kv_heads = 2, .head_dim = 8, .max_batch = 4, .max_seq_len = 16});
   const auto kv = kvcache::test::random_kv(rng, 20, 2, 8);
   for (std::size_t l = 0; l < 2; ++l) cache.append(l, 3, kv.k_block(0, 12), kv.v_block(0, 12));
   const auto before = kvcache::test::cache_contents(cache);
@@ -70,8 +108,8 @@ TEST_CASE("StaticCache overflow throws capacity_error naming the numbers, cache 
 }
 
 TEST_CASE("StaticCache rejects a sequence index >= max_batch instead of mis-shaping") {
-  StaticCache<float> cache({.num_layers = 1, .num_kv_heads = 1, .head_dim = 4, .max_batch = 2,
-                            .max_seq_len = 8});
+  StaticCache<float> cache(
+      {.num_layers = 1, .num_kv_heads = 1, .head_dim = 4, .max_batch = 2, .max_seq_len = 8});
   std::vector<float> kv(4, 1.0f);
   const TokenBlock<const float> b{kv, 1, 1, 4};
   const auto before = kvcache::test::cache_contents(cache);

@@ -78,14 +78,16 @@ TEST_CASE("reusing a cache for a different prompt crops to the common prefix; no
     const std::vector<token_id> suffix(prompt_b.begin() + 3, prompt_b.end());
     model.prefill(cache, 0, suffix);
     const auto naive = attend_last(cache, 0, q);
-    const auto report = kvcache::test::mismatch_report(naive, model.scratch(prompt_b, q), {1e-4, 1e-4});
+    const auto report =
+        kvcache::test::mismatch_report(naive, model.scratch(prompt_b, q), {1e-4, 1e-4});
     REQUIRE_FALSE(report.empty());  // the contaminated output differs from B's true output
   }
   SECTION("reuse_prefix crops to the shared prefix, and the result equals a from-scratch run") {
     const std::size_t reused = cache.reuse_prefix(0, prompt_b);
     REQUIRE(reused == 3);
     REQUIRE(cache.seq_length(0) == 3);
-    const std::vector<token_id> suffix(prompt_b.begin() + static_cast<std::ptrdiff_t>(reused), prompt_b.end());
+    const std::vector<token_id> suffix(prompt_b.begin() + static_cast<std::ptrdiff_t>(reused),
+                                       prompt_b.end());
     model.prefill(cache, 0, suffix);
     REQUIRE(std::vector<token_id>(cache.tokens(0).begin(), cache.tokens(0).end()) == prompt_b);
     kvcache::test::require_close(attend_last(cache, 0, q), model.scratch(prompt_b, q),

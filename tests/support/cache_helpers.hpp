@@ -67,7 +67,8 @@ std::vector<position_t> check_view_invariants(const V& view) {
   for (std::size_t i = 0; i < view.num_segments(); ++i) {
     const auto seg = view.segment(i);
     REQUIRE(seg.len > 0);
-    for (std::size_t j = 0; j < seg.len; ++j) got.push_back(seg.first_pos + static_cast<position_t>(j));
+    for (std::size_t j = 0; j < seg.len; ++j)
+      got.push_back(seg.first_pos + static_cast<position_t>(j));
   }
   REQUIRE(got == expect);
   REQUIRE(view_num_tokens(view) == got.size());
@@ -111,7 +112,8 @@ template <class Cache>
 std::vector<std::vector<float>> cache_contents(const Cache& cache) {
   std::vector<std::vector<float>> all;
   for (std::size_t l = 0; l < cache.shape().num_layers; ++l) {
-    for (std::size_t s = 0; s < cache.max_batch(); ++s) all.push_back(view_contents(cache.view(l, s)));
+    for (std::size_t s = 0; s < cache.max_batch(); ++s)
+      all.push_back(view_contents(cache.view(l, s)));
   }
   return all;
 }

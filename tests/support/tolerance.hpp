@@ -42,9 +42,9 @@ inline std::string mismatch_report(std::span<const float> actual, std::span<cons
   }
   if (bad == 0) return {};
   std::ostringstream os;
-  os << bad << " of " << actual.size() << " elements outside tolerance (abs " << tol.abs
-     << ", rel " << tol.rel << "); worst at index " << worst << ": got " << actual[worst]
-     << ", expected " << expected[worst];
+  os << bad << " of " << actual.size() << " elements outside tolerance (abs " << tol.abs << ", rel "
+     << tol.rel << "); worst at index " << worst << ": got " << actual[worst] << ", expected "
+     << expected[worst];
   return os.str();
 }
 

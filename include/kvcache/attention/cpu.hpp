@@ -52,7 +52,8 @@ struct PortableOps {
         float lanes[8] = {};
         std::size_t x = 0;
         for (; x + 8 <= d; x += 8) {
-          for (std::size_t l = 0; l < 8; ++l) lanes[l] += q[r * d + x + l] * to_float(k[j * d + x + l]);
+          for (std::size_t l = 0; l < 8; ++l)
+            lanes[l] += q[r * d + x + l] * to_float(k[j * d + x + l]);
         }
         float acc = 0.0f;
         for (; x < d; ++x) acc += q[r * d + x] * to_float(k[j * d + x]);
@@ -94,8 +95,8 @@ struct Row {
 /// How a tile of keys relates to one query row under the mask.
 enum class TileCover { none, partial, full };
 
-[[nodiscard]] inline TileCover tile_cover(const kvcache::detail::Mask& mask, position_t qpos, position_t first,
-                                          position_t last) noexcept {
+[[nodiscard]] inline TileCover tile_cover(const kvcache::detail::Mask& mask, position_t qpos,
+                                          position_t first, position_t last) noexcept {
   if (!mask.causal) return TileCover::full;
   if (first > qpos) return TileCover::none;
   const position_t lo = mask.low(qpos);
@@ -216,8 +217,8 @@ template <KVView V>
 /// Runs work item `item` of task `t`: KV head item / blocks, row block item % blocks. Rows are
 /// ordered token-major (row = token * group + head-in-group).
 template <class Ops, KVView V>
-void run_item(const AttentionTask<V>& t, position_t first_pos, std::size_t item, const kvcache::detail::Mask& mask,
-              float scale, float softcap) noexcept {
+void run_item(const AttentionTask<V>& t, position_t first_pos, std::size_t item,
+              const kvcache::detail::Mask& mask, float scale, float softcap) noexcept {
   const std::size_t heads = t.view.num_kv_heads();
   const std::size_t group = t.q.num_heads / heads;
   const std::size_t rows_per_head = t.q.num_tokens * group;
@@ -240,7 +241,7 @@ void run_tasks(std::span<const AttentionTask<V>> tasks, std::span<const position
                const AttentionOptions& opts) {
   using T = typename V::value_type;
   const kvcache::detail::Mask mask{opts.causal, static_cast<position_t>(opts.window),
-                  static_cast<position_t>(opts.num_sink_tokens)};
+                                   static_cast<position_t>(opts.num_sink_tokens)};
   std::size_t total_items = 0;
   std::size_t total_work = 0;  // K/V elements swept, to decide whether threads pay off
   for (const auto& t : tasks) {
@@ -251,9 +252,8 @@ void run_tasks(std::span<const AttentionTask<V>> tasks, std::span<const position
     std::size_t i = 0;
     for (; global >= task_items(tasks[i]); ++i) global -= task_items(tasks[i]);
     const auto& t = tasks[i];
-    const float scale = opts.scale > 0.0f
-                            ? opts.scale
-                            : 1.0f / std::sqrt(static_cast<float>(t.view.head_dim()));
+    const float scale =
+        opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(t.view.head_dim()));
     run_item<Ops<T>>(t, first_pos[i], global, mask, scale, opts.softcap);
   };
   constexpr std::size_t kMinParallelWork = std::size_t{1} << 16;
@@ -303,9 +303,8 @@ void attend_batch(std::span<const AttentionTask<V>> tasks, const AttentionOption
     first[i] = kvcache::detail::check_attention(t.q, t.view, t.out, opts, t.query_pos);
     const std::size_t d = t.view.head_dim();
     if (d > kMaxHeadDim) {
-      throw shape_error(kvcache::detail::message("attend: head_dim ", d,
-                                                 " exceeds the CPU kernel's maximum ",
-                                                 kMaxHeadDim));
+      throw shape_error(kvcache::detail::message(
+          "attend: head_dim ", d, " exceeds the CPU kernel's maximum ", kMaxHeadDim));
     }
     all_avx2 = all_avx2 && detail::avx2_available(d);
   }

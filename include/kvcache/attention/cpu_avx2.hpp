@@ -22,8 +22,9 @@ struct Prefetch {
 
 #if KVCACHE_X86_DISPATCH
 
-#include <cstddef>
 #include <immintrin.h>
+
+#include <cstddef>
 #include <limits>
 
 #define KVCACHE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -38,7 +39,8 @@ KVCACHE_TARGET_AVX2 inline __m256 load8(const T* p) noexcept {
   } else if constexpr (std::same_as<T, half>) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   } else {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
 }
@@ -66,8 +68,8 @@ KVCACHE_TARGET_AVX2 inline __m256 exp8_nonpositive(__m256 x) noexcept {
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i pow2n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  const __m256i pow2n =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)), keep);
 }
 
@@ -110,7 +112,8 @@ KVCACHE_TARGET_AVX2 void qk_rows(const float* q, const T* k, std::size_t nk, std
       }
     }
     if constexpr (R == 4) {
-      const __m256 all[8] = {acc0[0], acc1[0], acc0[1], acc1[1], acc0[2], acc1[2], acc0[3], acc1[3]};
+      const __m256 all[8] = {acc0[0], acc1[0], acc0[1], acc1[1],
+                             acc0[2], acc1[2], acc0[3], acc1[3]};
       const __m256 sums = hsum8x8(all);  // lanes: (row 0: j, j+1), (row 1: j, j+1), ...
       const __m128 lo = _mm256_castps256_ps128(sums), hi = _mm256_extractf128_ps(sums, 1);
       _mm_storel_pi(reinterpret_cast<__m64*>(s + j), lo);

@@ -85,10 +85,9 @@ position_t check_attention(const TokenBlock<const float>& q, const V& view,
   }
   if (out.num_tokens != q.num_tokens || out.num_heads != q.num_heads ||
       out.head_dim != q.head_dim) {
-    throw shape_error(detail::message("attend: output shape [", out.num_tokens, "][",
-                                      out.num_heads, "][", out.head_dim,
-                                      "] differs from the queries' [", q.num_tokens, "][",
-                                      q.num_heads, "][", q.head_dim, "]"));
+    throw shape_error(detail::message("attend: output shape [", out.num_tokens, "][", out.num_heads,
+                                      "][", out.head_dim, "] differs from the queries' [",
+                                      q.num_tokens, "][", q.num_heads, "][", q.head_dim, "]"));
   }
   if (!(opts.scale >= 0.0f) || !std::isfinite(opts.scale) || !(opts.softcap >= 0.0f) ||
       !std::isfinite(opts.softcap)) {
@@ -103,8 +102,8 @@ position_t check_attention(const TokenBlock<const float>& q, const V& view,
   const position_t length = view.length();
   const position_t first = query_pos.value_or(length - n);
   if (first < 0) {
-    throw position_error(detail::message("attend: ", n, " queries but the view holds only ",
-                                         length, " positions"));
+    throw position_error(
+        detail::message("attend: ", n, " queries but the view holds only ", length, " positions"));
   }
   const position_t gap_begin = view.sink_end(), gap_end = view.recent_begin();
   if (!opts.causal) {
@@ -130,9 +129,9 @@ position_t check_attention(const TokenBlock<const float>& q, const V& view,
     const bool sinks_ok = std::min(mask.sinks, lo) <= gap_begin;
     if (!recent_ok || !sinks_ok) {
       throw position_error(detail::message(
-          "attend: query at position ", p, " needs keys [", lo, ", ", p, "] (window ",
-          opts.window, ", sinks ", opts.num_sink_tokens, ") but the view evicted [", gap_begin,
-          ", ", gap_end, "); pass the cache's window and num_sink_tokens in AttentionOptions"));
+          "attend: query at position ", p, " needs keys [", lo, ", ", p, "] (window ", opts.window,
+          ", sinks ", opts.num_sink_tokens, ") but the view evicted [", gap_begin, ", ", gap_end,
+          "); pass the cache's window and num_sink_tokens in AttentionOptions"));
     }
   }
   return first;

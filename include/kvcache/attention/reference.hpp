@@ -74,7 +74,8 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
         }
       }
       float* o = out.row(t, h);
-      for (std::size_t j = 0; j < d; ++j) o[j] = sum > 0.0 ? static_cast<float>(acc[j] / sum) : 0.0f;
+      for (std::size_t j = 0; j < d; ++j)
+        o[j] = sum > 0.0 ? static_cast<float>(acc[j] / sum) : 0.0f;
     }
   }
 }

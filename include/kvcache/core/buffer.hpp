@@ -15,7 +15,7 @@ namespace kvcache {
 /// Owns `size()` elements of trivially copyable T, 64-byte aligned, left uninitialized (caches
 /// only ever expose elements they have written). Move-only; empty buffers own nothing.
 template <class T>
-  requires std::is_trivially_copyable_v<T>
+requires std::is_trivially_copyable_v<T>
 class AlignedBuffer {
  public:
   AlignedBuffer() noexcept = default;
@@ -25,7 +25,7 @@ class AlignedBuffer {
   explicit AlignedBuffer(std::size_t size) : size_(size) {
     if (size != 0) {
       const std::size_t bytes = detail::checked_mul(size, sizeof(T), "AlignedBuffer");
-      ptr_.reset(static_cast<T*>(::operator new(bytes, std::align_val_t{kStorageAlignment})));
+      ptr_.reset(static_cast<T*>(::operator new (bytes, std::align_val_t{kStorageAlignment})));
     }
   }
 
@@ -45,7 +45,7 @@ class AlignedBuffer {
  private:
   struct Deleter {
     void operator()(T* p) const noexcept {
-      ::operator delete(static_cast<void*>(p), std::align_val_t{kStorageAlignment});
+      ::operator delete (static_cast<void*>(p), std::align_val_t{kStorageAlignment});
     }
   };
   std::unique_ptr<T, Deleter> ptr_;

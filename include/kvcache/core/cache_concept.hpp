@@ -74,8 +74,8 @@ inline void check_layer(const char* cache, std::size_t layer, std::size_t num_la
 /// @throws batch_error unless seq < max_batch.
 inline void check_seq(const char* cache, std::size_t seq, std::size_t max_batch) {
   if (seq >= max_batch) {
-    throw batch_error(detail::message(cache, ": sequence ", seq, " out of range (max_batch ",
-                                      max_batch, ")"));
+    throw batch_error(
+        detail::message(cache, ": sequence ", seq, " out of range (max_batch ", max_batch, ")"));
   }
 }
 

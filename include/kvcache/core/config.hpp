@@ -63,10 +63,9 @@ inline void require_nonzero(std::size_t value, const char* cache, const char* fi
 /// Example: Llama-3-8B (32 layers, 8 KV heads, head_dim 128), 4096 tokens, fp16, batch 1:
 /// 2 x 32 x 8 x 128 x 4096 x 2 x 1 = 536,870,912 bytes (512 MiB).
 /// @throws capacity_error when the product overflows size_t.
-[[nodiscard]] constexpr std::size_t kv_cache_bytes(std::size_t num_layers,
-                                                   std::size_t num_kv_heads, std::size_t head_dim,
-                                                   std::size_t seq_len, std::size_t dtype_bytes,
-                                                   std::size_t batch = 1) {
+[[nodiscard]] constexpr std::size_t kv_cache_bytes(std::size_t num_layers, std::size_t num_kv_heads,
+                                                   std::size_t head_dim, std::size_t seq_len,
+                                                   std::size_t dtype_bytes, std::size_t batch = 1) {
   std::size_t n = 2;
   for (std::size_t f : {num_layers, num_kv_heads, head_dim, seq_len, dtype_bytes, batch}) {
     n = detail::checked_mul(n, f, "kv_cache_bytes");

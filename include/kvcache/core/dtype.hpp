@@ -53,7 +53,8 @@ struct half {
       // Adding 0.5 aligns the 10 subnormal mantissa bits at the bottom of the float; the FP
       // addition itself rounds to nearest even.
       const float aligned = std::bit_cast<float>(u) + 0.5f;
-      return static_cast<std::uint16_t>(sign | (std::bit_cast<std::uint32_t>(aligned) - 0x3f000000u));
+      return static_cast<std::uint16_t>(sign |
+                                        (std::bit_cast<std::uint32_t>(aligned) - 0x3f000000u));
     }
     const std::uint32_t mant_odd = (u >> 13) & 1u;
     u += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and add the rounding bias
@@ -112,8 +113,7 @@ enum class DType : std::uint8_t { f32 = 0, f16 = 1, bf16 = 2 };
 
 /// The element types a cache can store.
 template <class T>
-concept Element =
-    std::same_as<T, float> || std::same_as<T, half> || std::same_as<T, bfloat16>;
+concept Element = std::same_as<T, float> || std::same_as<T, half> || std::same_as<T, bfloat16>;
 
 template <Element T>
 inline constexpr DType dtype_of = std::same_as<T, float>  ? DType::f32
@@ -195,7 +195,7 @@ namespace detail {
 }
 
 __attribute__((target("avx2,f16c"))) inline void floats_to_half_f16c(const float* in, half* out,
-                                                                      std::size_t n) noexcept {
+                                                                     std::size_t n) noexcept {
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
@@ -205,7 +205,7 @@ __attribute__((target("avx2,f16c"))) inline void floats_to_half_f16c(const float
 }
 
 __attribute__((target("avx2,f16c"))) inline void half_to_floats_f16c(const half* in, float* out,
-                                                                      std::size_t n) noexcept {
+                                                                     std::size_t n) noexcept {
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));

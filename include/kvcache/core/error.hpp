@@ -58,10 +58,8 @@ namespace detail {
 inline void append_piece(std::string& out, const char* s) { out += s; }
 inline void append_piece(std::string& out, const std::string& s) { out += s; }
 template <class N>
-  requires std::is_arithmetic_v<N>
-inline void append_piece(std::string& out, N n) {
-  out += std::to_string(n);
-}
+requires std::is_arithmetic_v<N>
+inline void append_piece(std::string& out, N n) { out += std::to_string(n); }
 
 template <class... Parts>
 [[nodiscard]] std::string message(const Parts&... parts) {

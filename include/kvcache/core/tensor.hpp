@@ -28,8 +28,7 @@ struct TokenBlock {
   }
   /// The same block, read-only.
   [[nodiscard]] constexpr operator TokenBlock<const T>() const noexcept
-    requires(!std::is_const_v<T>)
-  {
+      requires(!std::is_const_v<T>) {
     return {data, num_tokens, num_heads, head_dim};
   }
 

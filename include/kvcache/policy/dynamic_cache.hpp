@@ -53,9 +53,9 @@ class DynamicCache {
     detail::require_nonzero(config.head_dim, kName, "head_dim");
     detail::require_nonzero(config.max_batch, kName, "max_batch");
     detail::require_nonzero(config.chunk_len, kName, "chunk_len");
-    chunk_elems_ = detail::checked_mul(detail::checked_mul(2 * chunk_len_, shape_.num_kv_heads,
-                                                           "DynamicCache chunk"),
-                                       shape_.head_dim, "DynamicCache chunk");
+    chunk_elems_ = detail::checked_mul(
+        detail::checked_mul(2 * chunk_len_, shape_.num_kv_heads, "DynamicCache chunk"),
+        shape_.head_dim, "DynamicCache chunk");
     slots_.resize(shape_.num_layers * max_batch_);
   }
 
@@ -64,8 +64,8 @@ class DynamicCache {
   /// @throws layer_error, batch_error, shape_error, capacity_error (past max_seq_len),
   ///         std::bad_alloc; the cache is unchanged on throw.
   template <class U>
-    requires std::same_as<std::remove_const_t<U>, T> || std::same_as<std::remove_const_t<U>, float>
-  void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
+  requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
+  float > void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     const In kin = k, vin = v;
     detail::check_layer(kName, layer, shape_.num_layers);
@@ -74,8 +74,8 @@ class DynamicCache {
     Slot& slot = slots_[layer * max_batch_ + seq];
     if (n > max_seq_len_ - slot.length) {
       throw capacity_error(detail::message(kName, ": append of ", n, " tokens to sequence ", seq,
-                                           " layer ", layer, " exceeds max_seq_len ",
-                                           max_seq_len_, " (holds ", slot.length, ")"));
+                                           " layer ", layer, " exceeds max_seq_len ", max_seq_len_,
+                                           " (holds ", slot.length, ")"));
     }
     const std::size_t need = (slot.length + n + chunk_len_ - 1) / chunk_len_;
     if (need > slot.chunks.size()) {
@@ -123,9 +123,7 @@ class DynamicCache {
   /// Bytes of all chunks currently allocated.
   [[nodiscard]] std::size_t memory_bytes() const noexcept { return allocated_bytes_; }
 
-  [[nodiscard]] bool can_crop(std::size_t seq, std::size_t n) const {
-    return n <= seq_length(seq);
-  }
+  [[nodiscard]] bool can_crop(std::size_t seq, std::size_t n) const { return n <= seq_length(seq); }
 
   /// Rolls every layer of `seq` back to at most n tokens and frees chunks no longer needed.
   /// @throws batch_error, position_error (n > seq_length); unchanged on throw.

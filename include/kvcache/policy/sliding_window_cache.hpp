@@ -70,18 +70,18 @@ class SlidingWindowCache {
   /// @throws layer_error, batch_error, shape_error, capacity_error (n > max_append_len);
   ///         the cache is unchanged on throw.
   template <class U>
-    requires std::same_as<std::remove_const_t<U>, T> || std::same_as<std::remove_const_t<U>, float>
-  void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
+  requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
+  float > void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     const In kin = k, vin = v;
     detail::check_layer(kName, layer, shape_.num_layers);
     detail::check_seq(kName, seq, max_batch_);
     const std::size_t n = detail::check_kv_input(kName, shape_, kin, vin);
     if (n > max_append_len_) {
-      throw capacity_error(detail::message(
-          kName, ": append of ", n, " tokens to sequence ", seq, " layer ", layer,
-          " exceeds max_append_len ", max_append_len_, " (window ", window_,
-          "); append in chunks of at most max_append_len tokens or raise it"));
+      throw capacity_error(
+          detail::message(kName, ": append of ", n, " tokens to sequence ", seq, " layer ", layer,
+                          " exceeds max_append_len ", max_append_len_, " (window ", window_,
+                          "); append in chunks of at most max_append_len tokens or raise it"));
     }
     State& st = state_[layer * max_batch_ + seq];
     T* base = storage_.data() + slab_offset(layer, seq);
@@ -176,9 +176,9 @@ class SlidingWindowCache {
       if (!layer_can_crop(st, n)) {
         throw position_error(detail::message(
             kName, ": crop of sequence ", seq, " to ", n, " tokens needs positions from ",
-            static_cast<position_t>(n) - static_cast<position_t>(window_) + 1,
-            " but layer ", l, " evicted everything before ", st.ring_begin, " (window ", window_,
-            ", max_append_len ", max_append_len_, ")"));
+            static_cast<position_t>(n) - static_cast<position_t>(window_) + 1, " but layer ", l,
+            " evicted everything before ", st.ring_begin, " (window ", window_, ", max_append_len ",
+            max_append_len_, ")"));
       }
     }
     const position_t target = static_cast<position_t>(n);
@@ -221,8 +221,7 @@ class SlidingWindowCache {
 
   // Layout: [layer][seq][K, V][kv_head][num_sinks + ring_len][head_dim].
   [[nodiscard]] std::size_t slab_offset(std::size_t layer, std::size_t seq) const noexcept {
-    return (layer * max_batch_ + seq) * 2 * shape_.num_kv_heads * slots_per_seq_ *
-           shape_.head_dim;
+    return (layer * max_batch_ + seq) * 2 * shape_.num_kv_heads * slots_per_seq_ * shape_.head_dim;
   }
 
   CacheShape shape_;

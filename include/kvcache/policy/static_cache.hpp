@@ -53,8 +53,8 @@ class StaticCache {
   /// @throws layer_error, batch_error, shape_error, capacity_error (appending past max_seq_len);
   ///         the cache is unchanged on throw.
   template <class U>
-    requires std::same_as<std::remove_const_t<U>, T> || std::same_as<std::remove_const_t<U>, float>
-  void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
+  requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
+  float > void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     const In kin = k, vin = v;
     detail::check_layer(kName, layer, shape_.num_layers);
@@ -63,8 +63,8 @@ class StaticCache {
     std::size_t& len = lengths_[layer * max_batch_ + seq];
     if (n > max_seq_len_ - len) {
       throw capacity_error(detail::message(kName, ": append of ", n, " tokens to sequence ", seq,
-                                           " layer ", layer, " exceeds max_seq_len ",
-                                           max_seq_len_, " (holds ", len, ")"));
+                                           " layer ", layer, " exceeds max_seq_len ", max_seq_len_,
+                                           " (holds ", len, ")"));
     }
     T* base = storage_.data() + slab_offset(layer, seq);
     const std::size_t head_elems = max_seq_len_ * shape_.head_dim;
@@ -102,9 +102,7 @@ class StaticCache {
   [[nodiscard]] std::size_t memory_bytes() const noexcept { return storage_.bytes(); }
 
   /// True when crop(seq, n) would succeed: n <= seq_length(seq). @throws batch_error.
-  [[nodiscard]] bool can_crop(std::size_t seq, std::size_t n) const {
-    return n <= seq_length(seq);
-  }
+  [[nodiscard]] bool can_crop(std::size_t seq, std::size_t n) const { return n <= seq_length(seq); }
 
   /// Rolls every layer of `seq` back to at most n tokens. O(num_layers).
   /// @throws batch_error, position_error (n > seq_length); unchanged on throw.
