@@ -70,7 +70,7 @@ void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
-TEST_CASE("StaticCache allocates at construction and never again over 10k appends") {
+TEST_CASE("StaticCache allocates at construction and never again over 10k appends and attends") {
   StaticCache<half> cache(
       {.num_layers = 2, .num_kv_heads = 2, .head_dim = 16, .max_batch = 3, .max_seq_len = 10'000});
   const std::vector<float> k(2 * 16, 0.5f), v(2 * 16, -0.5f);
@@ -78,9 +78,14 @@ TEST_CASE("StaticCache allocates at construction and never again over 10k append
   cache.append(0, 0, kb, vb);
   const auto first_k = cache.view(0, 0).segment(0).k;
   REQUIRE(cache.view(1, 2).num_segments() == 0);  // nothing appended there yet
+  ThreadPool pool(2);
+  std::vector<float> q(4 * 16, 0.25f), out(q.size());
   const std::size_t before = g_allocations.load();
   for (std::size_t i = 1; i < 10'000; ++i) {
     for (std::size_t l = 0; l < 2; ++l) cache.append(l, i % 3, kb, vb);
+    if (i % 100 == 0) {  // decode-style attention, threaded, on the hot path too
+      attend({q, 1, 4, 16}, cache.view(1, i % 3), {out, 1, 4, 16}, {.pool = &pool});
+    }
     if (i % 1000 == 0) {
       cache.crop(i % 3, cache.seq_length(i % 3) / 2);
     }
