@@ -65,30 +65,9 @@ struct Mask {
   }
 };
 
-/// Checks one attention call and returns the position of its first query.
-/// @throws shape_error (buffer sizes, head_dim, head counts, bad scale/softcap/window use),
-///         position_error (a query needs a key position the view does not hold).
-template <KVView V>
-position_t check_attention(const TokenBlock<const float>& q, const V& view,
-                           const TokenBlock<float>& out, const AttentionOptions& opts,
-                           std::optional<position_t> query_pos) {
-  q.validate("attend: queries");
-  out.validate("attend: output");
-  if (q.head_dim != view.head_dim()) {
-    throw shape_error(detail::message("attend: queries have head_dim ", q.head_dim,
-                                      " but the cache has head_dim ", view.head_dim()));
-  }
-  if (view.num_kv_heads() == 0 || q.num_heads == 0 || q.num_heads % view.num_kv_heads() != 0) {
-    throw shape_error(detail::message("attend: num_q_heads ", q.num_heads,
-                                      " is not a positive multiple of num_kv_heads ",
-                                      view.num_kv_heads()));
-  }
-  if (out.num_tokens != q.num_tokens || out.num_heads != q.num_heads ||
-      out.head_dim != q.head_dim) {
-    throw shape_error(detail::message("attend: output shape [", out.num_tokens, "][", out.num_heads,
-                                      "][", out.head_dim, "] differs from the queries' [",
-                                      q.num_tokens, "][", q.num_heads, "][", q.head_dim, "]"));
-  }
+/// The option half of check_attention(). @throws shape_error for a negative or non-finite
+/// scale or softcap, and for a window or sinks without causal masking.
+inline void check_options(const AttentionOptions& opts) {
   if (!(opts.scale >= 0.0f) || !std::isfinite(opts.scale) || !(opts.softcap >= 0.0f) ||
       !std::isfinite(opts.softcap)) {
     throw shape_error(detail::message("attend: scale (", opts.scale, ") and softcap (",
@@ -98,14 +77,20 @@ position_t check_attention(const TokenBlock<const float>& q, const V& view,
     throw shape_error(detail::message("attend: window ", opts.window, " / num_sink_tokens ",
                                       opts.num_sink_tokens, " need causal attention"));
   }
-  const position_t n = static_cast<position_t>(q.num_tokens);
-  const position_t length = view.length();
+}
+
+/// The position half of check_attention(): n consecutive queries starting at `query_pos`
+/// (default length - n) against a view holding [0, sink_end) and [recent_begin, length).
+/// Returns the first query position. @throws position_error.
+inline position_t check_query_positions(position_t n, std::optional<position_t> query_pos,
+                                        position_t length, position_t sink_end,
+                                        position_t recent_begin, const AttentionOptions& opts) {
   const position_t first = query_pos.value_or(length - n);
   if (first < 0) {
     throw position_error(
         detail::message("attend: ", n, " queries but the view holds only ", length, " positions"));
   }
-  const position_t gap_begin = view.sink_end(), gap_end = view.recent_begin();
+  const position_t gap_begin = sink_end, gap_end = recent_begin;
   if (!opts.causal) {
     if (length == 0 || gap_begin < gap_end) {
       throw position_error(detail::message(
@@ -135,6 +120,35 @@ position_t check_attention(const TokenBlock<const float>& q, const V& view,
     }
   }
   return first;
+}
+
+/// Checks one attention call and returns the position of its first query.
+/// @throws shape_error (buffer sizes, head_dim, head counts, bad scale/softcap/window use),
+///         position_error (a query needs a key position the view does not hold).
+template <KVView V>
+position_t check_attention(const TokenBlock<const float>& q, const V& view,
+                           const TokenBlock<float>& out, const AttentionOptions& opts,
+                           std::optional<position_t> query_pos) {
+  q.validate("attend: queries");
+  out.validate("attend: output");
+  if (q.head_dim != view.head_dim()) {
+    throw shape_error(detail::message("attend: queries have head_dim ", q.head_dim,
+                                      " but the cache has head_dim ", view.head_dim()));
+  }
+  if (view.num_kv_heads() == 0 || q.num_heads == 0 || q.num_heads % view.num_kv_heads() != 0) {
+    throw shape_error(detail::message("attend: num_q_heads ", q.num_heads,
+                                      " is not a positive multiple of num_kv_heads ",
+                                      view.num_kv_heads()));
+  }
+  if (out.num_tokens != q.num_tokens || out.num_heads != q.num_heads ||
+      out.head_dim != q.head_dim) {
+    throw shape_error(detail::message("attend: output shape [", out.num_tokens, "][", out.num_heads,
+                                      "][", out.head_dim, "] differs from the queries' [",
+                                      q.num_tokens, "][", q.num_heads, "][", q.head_dim, "]"));
+  }
+  check_options(opts);
+  return check_query_positions(static_cast<position_t>(q.num_tokens), query_pos, view.length(),
+                               view.sink_end(), view.recent_begin(), opts);
 }
 
 }  // namespace detail

@@ -187,7 +187,8 @@ namespace detail {
     if (!(fma && osxsave && avx && f16c)) return false;
     unsigned xcr0_lo = 0, xcr0_hi = 0;
     __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-    if ((xcr0_lo & 0x6u) != 0x6u) return false;  // the OS saves XMM and YMM state
+    const std::uint64_t xcr0 = (std::uint64_t{xcr0_hi} << 32) | xcr0_lo;
+    if ((xcr0 & 0x6u) != 0x6u) return false;  // the OS saves XMM and YMM state
     if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
     return ((b >> 5) & 1u) != 0;  // AVX2
   }();

@@ -1,0 +1,182 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU attention figures, timed with CUDA events: decode attention (batch 32, 32 query / 8 KV heads,
+// head_dim 128, fp16 K/V) over paged (block 16) and contiguous caches at 4k/16k/32k context, as
+// achieved bandwidth (K+V bytes read / time) next to a device-to-device copy measured in the same
+// run; and prefill of 2048 new tokens against a 2048-token cached prefix, as TFLOP/s.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "kvcache/cuda/cuda.cuh"
+
+namespace {
+
+namespace kcuda = kvcache::cuda;
+using kvcache::half;
+
+constexpr int kBatch = 32, kQHeads = 32, kKvHeads = 8, kDim = 128, kChunk = 256;
+
+__global__ void fill_random(float* x, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t h = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    x[i] = static_cast<float>(h & 0xffffff) / 8388608.0f - 1.0f;  // uniform [-1, 1)
+  }
+}
+
+kcuda::DeviceBuffer<float> random_floats(std::size_t n, std::uint32_t seed) {
+  kcuda::DeviceBuffer<float> b(n);
+  fill_random<<<1024, 256>>>(b.data(), n, seed);
+  kcuda::check_launch("fill_random");
+  return b;
+}
+
+/// Median time in ms of `reps` runs of f on the default stream, after `warmup` runs.
+template <class F>
+float time_ms(F&& f, int warmup = 3, int reps = 15) {
+  for (int i = 0; i < warmup; ++i) f();
+  cudaEvent_t start, stop;
+  kcuda::check(cudaEventCreate(&start), "cudaEventCreate");
+  kcuda::check(cudaEventCreate(&stop), "cudaEventCreate");
+  std::vector<float> ms(reps);
+  for (int i = 0; i < reps; ++i) {
+    kcuda::check(cudaEventRecord(start), "cudaEventRecord");
+    f();
+    kcuda::check(cudaEventRecord(stop), "cudaEventRecord");
+    kcuda::check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    kcuda::check(cudaEventElapsedTime(&ms[i], start, stop), "cudaEventElapsedTime");
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[reps / 2];
+}
+
+/// Device-to-device copy bandwidth, counting bytes read plus bytes written.
+double copy_bandwidth() {
+  const std::size_t bytes = std::size_t{2} << 30;
+  kcuda::DeviceBuffer<unsigned char> a(bytes), b(bytes);
+  kcuda::check(cudaMemset(a.data(), 1, bytes), "cudaMemset");
+  const float ms = time_ms([&] {
+    kcuda::check(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice),
+                 "cudaMemcpyAsync");
+  });
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3);
+}
+
+/// Fills every sequence of a one-layer cache with `context` tokens, kChunk at a time for the
+/// whole batch per append (so paged blocks interleave across sequences, as in serving).
+void fill(kcuda::DeviceCache<half>& cache, int context) {
+  const std::size_t n = static_cast<std::size_t>(kBatch) * kChunk * kKvHeads * kDim;
+  auto k = random_floats(n, 1), v = random_floats(n, 2);
+  std::vector<std::size_t> seqs(kBatch), counts(kBatch, kChunk);
+  for (int s = 0; s < kBatch; ++s) seqs[s] = static_cast<std::size_t>(s);
+  for (int done = 0; done < context; done += kChunk)
+    cache.append(0, seqs, counts, k.data(), v.data(), nullptr);
+  kcuda::check(cudaDeviceSynchronize(), "fill");
+}
+
+struct DecodeResult {
+  double bandwidth, ms;
+};
+
+DecodeResult decode(kcuda::Layout layout, int context) {
+  kcuda::DeviceCache<half> cache({.layout = layout,
+                                  .num_layers = 1,
+                                  .num_kv_heads = kKvHeads,
+                                  .head_dim = kDim,
+                                  .max_batch = kBatch,
+                                  .max_seq_len = static_cast<std::size_t>(context),
+                                  .block_size = 16,
+                                  .num_blocks = static_cast<std::size_t>(kBatch) * context / 16});
+  fill(cache, context);
+  auto q = random_floats(static_cast<std::size_t>(kBatch) * kQHeads * kDim, 3);
+  kcuda::DeviceBuffer<float> out(q.size());
+  const auto view = cache.view(0);
+  const std::size_t ws_bytes =
+      kcuda::decode_workspace_bytes(kBatch, kQHeads, kKvHeads, kDim, view.max_length);
+  kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
+  const kvcache::TokenBlock<const float> qb{std::span<const float>(q.data(), q.size()), kBatch,
+                                            kQHeads, kDim};
+  const kvcache::TokenBlock<float> ob{std::span<float>(out.data(), out.size()), kBatch, kQHeads,
+                                      kDim};
+  const float ms = time_ms([&] {
+    kvcache::attend(qb, view, ob, {},
+                    kcuda::DeviceAttendArgs{.workspace = ws.data(), .workspace_bytes = ws_bytes});
+  });
+  const double bytes = 2.0 * kBatch * static_cast<double>(context) * kKvHeads * kDim * sizeof(half);
+  return {bytes / (ms * 1e-3), ms};
+}
+
+double prefill_tflops(int cached, int fresh, float* ms_out) {
+  const int total = cached + fresh;
+  kcuda::DeviceCache<half> cache({.num_layers = 1,
+                                  .num_kv_heads = kKvHeads,
+                                  .head_dim = kDim,
+                                  .max_batch = 1,
+                                  .max_seq_len = static_cast<std::size_t>(total)});
+  const std::size_t n = static_cast<std::size_t>(total) * kKvHeads * kDim;
+  auto k = random_floats(n, 4), v = random_floats(n, 5);
+  for (int done = 0; done < total; done += 1024) {
+    cache.append(0, std::vector<std::size_t>{0}, std::vector<std::size_t>{1024},
+                 k.data() + static_cast<std::size_t>(done) * kKvHeads * kDim,
+                 v.data() + static_cast<std::size_t>(done) * kKvHeads * kDim, nullptr);
+  }
+  auto q = random_floats(static_cast<std::size_t>(fresh) * kQHeads * kDim, 6);
+  kcuda::DeviceBuffer<float> out(q.size());
+  const std::vector<std::int32_t> offsets{0, fresh};
+  kcuda::DeviceBuffer<std::int32_t> d_offsets(2);
+  kcuda::check(cudaMemcpy(d_offsets.data(), offsets.data(), 8, cudaMemcpyHostToDevice), "offsets");
+  const kvcache::TokenBlock<const float> qb{std::span<const float>(q.data(), q.size()),
+                                            static_cast<std::size_t>(fresh), kQHeads, kDim};
+  const kvcache::TokenBlock<float> ob{std::span<float>(out.data(), out.size()),
+                                      static_cast<std::size_t>(fresh), kQHeads, kDim};
+  const auto view = cache.view(0);
+  const float ms = time_ms([&] {
+    kvcache::attend(qb, view, ob, {},
+                    kcuda::DeviceAttendArgs{.q_offsets = d_offsets.data(), .max_q_len = fresh});
+  });
+  // causal: query i (position cached + i) sees cached + i + 1 keys; 2 FLOP per multiply-add,
+  // q.k and p.V each head_dim multiply-adds per (query head, key)
+  double pairs = 0;
+  for (int i = 0; i < fresh; ++i) pairs += cached + i + 1;
+  *ms_out = ms;
+  return 4.0 * pairs * kQHeads * kDim / (ms * 1e-3) / 1e12;
+}
+
+}  // namespace
+
+int main() {
+  if (kcuda::device_count() == 0) {
+    std::printf("cuda_attention_bench: no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  kcuda::check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  std::printf("device: %s, %d SMs, %.0f MiB\n", prop.name, prop.multiProcessorCount,
+              static_cast<double>(prop.totalGlobalMem) / (1 << 20));
+  const double copy = copy_bandwidth();
+  std::printf("device-to-device copy: %.0f GB/s (bytes read + written)\n\n", copy / 1e9);
+  std::printf("decode attention, batch %d, %d q heads / %d kv heads, head_dim %d, fp16 K/V\n",
+              kBatch, kQHeads, kKvHeads, kDim);
+  std::printf("%-11s %8s %10s %10s %12s\n", "layout", "context", "ms", "GB/s", "/ copy bw");
+  for (kcuda::Layout layout : {kcuda::Layout::paged, kcuda::Layout::contiguous}) {
+    for (int context : {4096, 16384, 32768}) {
+      const DecodeResult r = decode(layout, context);
+      std::printf("%-11s %8d %10.3f %10.0f %12.3f\n",
+                  layout == kcuda::Layout::paged ? "paged/16" : "contiguous", context, r.ms,
+                  r.bandwidth / 1e9, r.bandwidth / copy);
+    }
+  }
+  float ms = 0;
+  const double tflops = prefill_tflops(2048, 2048, &ms);
+  std::printf(
+      "\nprefill: 2048 new tokens against a 2048-token cached prefix, 32/8 heads, d 128, "
+      "fp16: %.3f ms, %.1f TFLOP/s\n",
+      ms, tflops);
+  return 0;
+}

@@ -1,0 +1,199 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA side of kvcache::attend: given a device view it validates on the host, then launches
+// the decode kernel (one query token per sequence, split-KV + merge) or the prefill kernel (many
+// query tokens per sequence) on the caller's stream, with caller-owned workspace.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvcache/attention/options.hpp"
+#include "kvcache/core/error.hpp"
+#include "kvcache/core/tensor.hpp"
+#include "kvcache/cuda/decode.cuh"
+#include "kvcache/cuda/prefill.cuh"
+#include "kvcache/cuda/runtime.cuh"
+#include "kvcache/cuda/view.cuh"
+
+namespace kvcache::cuda {
+
+/// What a device attention call needs besides the CPU call's arguments.
+struct DeviceAttendArgs {
+  cudaStream_t stream = nullptr;
+  /// Decode: workspace of at least decode_workspace_bytes(...) bytes (nullptr if that is 0).
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  /// Prefill: device array [num_seqs + 1]; the query tokens of sequence s are rows
+  /// q_offsets[s] .. q_offsets[s + 1] - 1 of q, at that sequence's last positions. nullptr:
+  /// decode, exactly one query token per sequence (row s), at position length - 1.
+  const std::int32_t* q_offsets = nullptr;
+  /// Prefill: the largest q_offsets[s + 1] - q_offsets[s] (host-side; sizes the grid).
+  int max_q_len = 1;
+};
+
+namespace detail {
+
+/// Calls f(std::integral_constant<int, D>{}) for a supported head_dim.
+template <class F>
+void dispatch_head_dim(int head_dim, F&& f) {
+  switch (head_dim) {
+    case 64:
+      return f(std::integral_constant<int, 64>{});
+    case 128:
+      return f(std::integral_constant<int, 128>{});
+    case 256:
+      return f(std::integral_constant<int, 256>{});
+    default:
+      throw shape_error(kvcache::detail::message("CUDA attention: head_dim ", head_dim,
+                                                 " unsupported; supported: 64, 128, 256"));
+  }
+}
+
+template <Element T, class Kernel>
+void allow_smem(Kernel kernel, std::size_t bytes) {
+  if (bytes > 48 * 1024) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(bytes)),
+          "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  }
+}
+
+inline DeviceMask device_mask(const AttentionOptions& opts) {
+  return DeviceMask{opts.causal, static_cast<std::int64_t>(opts.window),
+                    static_cast<std::int64_t>(opts.num_sink_tokens)};
+}
+
+}  // namespace detail
+
+/// Decode attention: q and out [num_seqs][num_q_heads][head_dim] device arrays, one query token
+/// per sequence of the view (at position length - 1). Empty sequences get a zero output.
+/// @throws shape_error (head_dim not 64/128/256, group > kMaxGroup, workspace too small),
+///         cuda_error.
+template <Element T>
+void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float* out,
+                             int num_q_heads, const AttentionOptions& opts, void* workspace,
+                             std::size_t workspace_bytes, cudaStream_t stream) {
+  const int group = num_q_heads / view.num_kv_heads;
+  if (group < 1 || group > kMaxGroup || group * view.num_kv_heads != num_q_heads) {
+    throw shape_error(kvcache::detail::message("CUDA decode attention: num_q_heads ", num_q_heads,
+                                               " must be a multiple (at most ", kMaxGroup,
+                                               "x) of num_kv_heads ", view.num_kv_heads));
+  }
+  const int splits = detail::decode_num_splits(view.max_length, view.num_seqs, view.num_kv_heads,
+                                               detail::device_sm_count());
+  const std::size_t need = splits == 1 ? 0
+                                       : static_cast<std::size_t>(view.num_seqs) * num_q_heads *
+                                             splits * (view.head_dim + 2) * sizeof(float);
+  if (workspace_bytes < need) {
+    throw shape_error(kvcache::detail::message("CUDA decode attention: workspace of ",
+                                               workspace_bytes, " bytes, needs ", need));
+  }
+  const std::int64_t per_split =
+      ((view.max_length + splits - 1) / splits + kDecodeTile - 1) / kDecodeTile * kDecodeTile;
+  float* partial_acc = static_cast<float*>(workspace);
+  float* partial_ml = partial_acc == nullptr
+                          ? nullptr
+                          : partial_acc + static_cast<std::size_t>(view.num_seqs) * num_q_heads *
+                                              splits * view.head_dim;
+  const float scale =
+      opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(view.head_dim));
+  detail::dispatch_head_dim(view.head_dim, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    const std::size_t smem = detail::decode_smem_bytes<T>(D, group);
+    auto kernel = detail::decode_attention_kernel<T, D>;
+    detail::allow_smem<T>(kernel, smem);
+    const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(view.num_kv_heads),
+                    static_cast<unsigned>(view.num_seqs));
+    kernel<<<grid, kDecodeThreads, smem, stream>>>(view, q, out, partial_acc, partial_ml,
+                                                   num_q_heads, splits, per_split,
+                                                   detail::device_mask(opts), scale, opts.softcap);
+    check_launch("kvcache::cuda::decode_attention_kernel");
+    if (splits > 1) {
+      const dim3 merge_grid(static_cast<unsigned>(view.num_seqs),
+                            static_cast<unsigned>(num_q_heads));
+      detail::decode_merge_kernel<D><<<merge_grid, std::min(D, 128), 0, stream>>>(
+          partial_acc, partial_ml, out, num_q_heads, splits);
+      check_launch("kvcache::cuda::decode_merge_kernel");
+    }
+  });
+}
+
+/// Prefill attention: q and out [total][num_q_heads][head_dim] device arrays, the rows of
+/// sequence s being q_offsets[s] .. q_offsets[s + 1] - 1 (device array), at that sequence's
+/// last positions (append their K/V first). Tensor cores for every dtype (tf32 for float).
+/// @throws shape_error (head_dim not 64/128/256, or 256 with float), cuda_error.
+template <Element T>
+void launch_prefill_attention(const DeviceKVView<T>& view, const float* q, float* out,
+                              int num_q_heads, const std::int32_t* q_offsets, int max_q_len,
+                              const AttentionOptions& opts, cudaStream_t stream) {
+  if (num_q_heads < 1 || num_q_heads % view.num_kv_heads != 0) {
+    throw shape_error(kvcache::detail::message("CUDA prefill attention: num_q_heads ", num_q_heads,
+                                               " is not a multiple of num_kv_heads ",
+                                               view.num_kv_heads));
+  }
+  if (std::is_same_v<T, float> && view.head_dim > 128) {
+    throw shape_error(kvcache::detail::message("CUDA prefill attention: head_dim ", view.head_dim,
+                                               " with float K/V unsupported; supported: 64, 128"));
+  }
+  if (max_q_len < 1) return;
+  const float scale =
+      opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(view.head_dim));
+  detail::dispatch_head_dim(view.head_dim, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    if constexpr (std::is_same_v<T, float> && D > 128) {
+      return;  // rejected above; not instantiated (its tiles would not fit in shared memory)
+    } else {
+      constexpr std::size_t smem = detail::PrefillSmem<T, D>::kBytes;
+      auto kernel = detail::prefill_attention_kernel<T, D>;
+      detail::allow_smem<T>(kernel, smem);
+      const dim3 grid(static_cast<unsigned>((max_q_len + kPrefillRows - 1) / kPrefillRows),
+                      static_cast<unsigned>(num_q_heads), static_cast<unsigned>(view.num_seqs));
+      kernel<<<grid, kPrefillThreads, smem, stream>>>(
+          view, q, out, q_offsets, num_q_heads, detail::device_mask(opts), scale, opts.softcap);
+      check_launch("kvcache::cuda::prefill_attention_kernel");
+    }
+  });
+}
+
+}  // namespace kvcache::cuda
+
+namespace kvcache {
+
+/// kvcache::attend for device views: the same call as on the CPU (q and out hold device memory,
+/// shaped [tokens][num_q_heads][head_dim]) plus the stream, workspace and, for prefill, the
+/// per-sequence query offsets. Decode when args.q_offsets is null (q.num_tokens == num_seqs),
+/// prefill otherwise. opts.pool is ignored and opts.query_pos must be unset (queries sit at the
+/// last positions). Validate positions on the host first with DeviceCache::check_attention.
+/// @throws shape_error, cuda_error. Asynchronous: nothing is synchronised.
+template <Element T>
+void attend(TokenBlock<const float> q, const cuda::DeviceKVView<T>& view, TokenBlock<float> out,
+            const AttentionOptions& opts, const cuda::DeviceAttendArgs& args) {
+  detail::check_options(opts);
+  if (opts.query_pos.has_value()) {
+    throw shape_error("CUDA attend: query_pos is not supported (queries are the last positions)");
+  }
+  if (q.head_dim != static_cast<std::size_t>(view.head_dim) || out.head_dim != q.head_dim ||
+      out.num_heads != q.num_heads || out.num_tokens != q.num_tokens) {
+    throw shape_error(detail::message("CUDA attend: q [", q.num_tokens, "][", q.num_heads, "][",
+                                      q.head_dim, "], out [", out.num_tokens, "][", out.num_heads,
+                                      "][", out.head_dim, "] and the view's head_dim ",
+                                      view.head_dim, " disagree"));
+  }
+  const int heads = static_cast<int>(q.num_heads);
+  if (args.q_offsets == nullptr) {
+    if (q.num_tokens != static_cast<std::size_t>(view.num_seqs)) {
+      throw shape_error(detail::message("CUDA attend (decode): ", q.num_tokens,
+                                        " query tokens for ", view.num_seqs, " sequences"));
+    }
+    cuda::launch_decode_attention(view, q.data.data(), out.data.data(), heads, opts, args.workspace,
+                                  args.workspace_bytes, args.stream);
+  } else {
+    cuda::launch_prefill_attention(view, q.data.data(), out.data.data(), heads, args.q_offsets,
+                                   args.max_q_len, opts, args.stream);
+  }
+}
+
+}  // namespace kvcache

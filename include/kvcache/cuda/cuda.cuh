@@ -1,0 +1,10 @@
+// SPDX-License-Identifier: Apache-2.0
+// Umbrella header of the CUDA backend (compile with nvcc; target kvcache::cuda).
+#pragma once
+
+#include "kvcache/cuda/attend.cuh"
+#include "kvcache/cuda/cache.cuh"
+#include "kvcache/cuda/decode.cuh"
+#include "kvcache/cuda/prefill.cuh"
+#include "kvcache/cuda/runtime.cuh"
+#include "kvcache/cuda/view.cuh"

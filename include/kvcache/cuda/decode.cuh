@@ -1,0 +1,350 @@
+// SPDX-License-Identifier: Apache-2.0
+// Decode attention on the GPU: a batch of sequences, one query token each, GQA (the query heads of
+// one KV head share every K/V tile read), split-KV (flash-decoding) with a merge kernel for long
+// contexts, fp32 accumulation, window and sink masks, contiguous, ring and paged layouts.
+#pragma once
+
+#include <cuda_pipeline.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "kvcache/attention/options.hpp"
+#include "kvcache/cuda/kernels_common.cuh"
+#include "kvcache/cuda/runtime.cuh"
+#include "kvcache/cuda/view.cuh"
+
+namespace kvcache::cuda {
+
+inline constexpr int kDecodeThreads = 128;  ///< 4 warps per (sequence, KV head, split)
+inline constexpr int kDecodeTile = 64;      ///< keys per shared-memory tile
+inline constexpr int kMaxGroup = 16;        ///< query heads per KV head the decode kernel takes
+inline constexpr int kMinKeysPerSplit = 256;
+
+namespace detail {
+
+/// Byte stride of one K or V row in a shared-memory tile: 16 bytes of padding keep consecutive
+/// keys' 16-byte loads on different banks.
+template <Element T>
+__host__ __device__ constexpr int tile_row_bytes(int head_dim) {
+  return head_dim * static_cast<int>(sizeof(T)) + 16;
+}
+
+/// Shared memory of the decode kernel, in bytes: q [G][D] floats; K and V tiles, double
+/// buffered [2][kDecodeTile][row]; their positions [2][kDecodeTile]; partial scores
+/// [2][G][kDecodeTile]; per-head m, l, correction.
+template <Element T>
+constexpr std::size_t decode_smem_bytes(int head_dim, int group) {
+  const std::size_t g = static_cast<std::size_t>(group);
+  return g * head_dim * sizeof(float) + 4 * kDecodeTile * tile_row_bytes<T>(head_dim) +
+         2 * kDecodeTile * sizeof(std::int64_t) + 2 * g * kDecodeTile * sizeof(float) +
+         3 * g * sizeof(float);
+}
+
+/// Converts the 16 bytes at p (8 half/bf16 or 4 floats) to floats.
+template <Element T>
+__device__ __forceinline__ void load16(const T* p, float* out) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  if constexpr (std::is_same_v<T, float>) {
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+  } else {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      if constexpr (std::is_same_v<T, kvcache::half>) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[w]));
+        out[2 * w] = f.x;
+        out[2 * w + 1] = f.y;
+      } else {
+        out[2 * w] = __uint_as_float(words[w] << 16);
+        out[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
+      }
+    }
+  }
+}
+
+/// Converts the two consecutive elements at p (4-byte aligned for 16-bit types) to floats.
+template <Element T>
+__device__ __forceinline__ float2 load_pair(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return *reinterpret_cast<const float2*>(p);
+  } else if constexpr (std::is_same_v<T, kvcache::half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(p));
+  } else {
+    const unsigned w = *reinterpret_cast<const unsigned*>(p);
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+}
+
+/// Loads logical keys [i0, i0 + kDecodeTile) of (seq, kv_head) into one K and one V tile with
+/// 16-byte cp.async copies; rows at or past `end` are zero-filled (so that p * V stays finite)
+/// and get position -1.
+template <Element T, int D>
+__device__ __forceinline__ void load_kv_tile(const DeviceKVView<T>& view, int seq, int kv_head,
+                                             const KeyRange& keys, std::int64_t i0,
+                                             std::int64_t end, char* k_tile, char* v_tile,
+                                             std::int64_t* pos_tile, int tid, int num_threads,
+                                             int tile_rows) {
+  constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;
+  constexpr int kStride = tile_row_bytes<T>(D);
+  for (int c = tid; c < tile_rows * kChunks; c += num_threads) {
+    const int row = c / kChunks, chunk = c % kChunks;
+    const std::int64_t i = i0 + row;
+    const bool valid = i < end;
+    const std::int64_t pos = valid ? keys.pos(i) : 0;
+    const std::int64_t off = valid ? view.row_offset(seq, kv_head, pos) : 0;
+    const char* ks = reinterpret_cast<const char*>(view.k + off) + chunk * 16;
+    const char* vs = reinterpret_cast<const char*>(view.v + off) + chunk * 16;
+    __pipeline_memcpy_async(k_tile + row * kStride + chunk * 16, ks, 16, valid ? 0 : 16);
+    __pipeline_memcpy_async(v_tile + row * kStride + chunk * 16, vs, 16, valid ? 0 : 16);
+    if (chunk == 0) pos_tile[row] = valid ? pos : -1;
+  }
+}
+
+/// One block per (split, KV head, sequence), its query token at position length - 1. Per tile:
+/// partial q.k for every (query head, key) — thread = (key, half of head_dim) so that a warp
+/// reads 32 consecutive padded rows without bank conflicts; an online-softmax update per query
+/// head (one warp per head); then p.V accumulated in registers by (query head, dim) threads.
+/// Writes the normalised output when num_splits == 1, else the unnormalised partial
+/// (acc, m, l) that decode_merge_kernel combines.
+template <Element T, int D>
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_attention_kernel(DeviceKVView<T> view, const float* __restrict__ q,
+                            float* __restrict__ out, float* __restrict__ partial_acc,
+                            float* __restrict__ partial_ml, int num_q_heads, int num_splits,
+                            std::int64_t keys_per_split, DeviceMask mask, float scale,
+                            float softcap) {
+  static_assert(kDecodeThreads == 2 * kDecodeTile, "thread = (key, half of head_dim)");
+  constexpr int kRowStride = tile_row_bytes<T>(D);
+  constexpr int kPairs = kMaxGroup * (D / 2) / kDecodeThreads;  // float2 accumulators per thread
+  constexpr int kElemsPer16 = 16 / static_cast<int>(sizeof(T));
+  const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+  const int group = num_q_heads / view.num_kv_heads;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  char* tiles = reinterpret_cast<char*>(smem);  // K0 K1 V0 V1
+  constexpr int kTileBytes = kDecodeTile * kRowStride;
+  auto k_tile_at = [&](int b) { return tiles + b * kTileBytes; };
+  auto v_tile_at = [&](int b) { return tiles + (2 + b) * kTileBytes; };
+  std::int64_t* pos_tiles = reinterpret_cast<std::int64_t*>(tiles + 4 * kDecodeTile * kRowStride);
+  float* q_s = reinterpret_cast<float*>(pos_tiles + 2 * kDecodeTile);  // [group][D]
+  float* s_s = q_s + group * D;                                        // [2][group][tile]
+  float* m_s = s_s + 2 * group * kDecodeTile;
+  float* l_s = m_s + group;
+  float* corr_s = l_s + group;
+
+  const std::int64_t qpos = view.length[seq] - 1;
+  const KeyRange keys = visible_keys(key_range(view, seq), mask, qpos);
+  const std::int64_t count = keys.count();
+  const std::int64_t begin = split * keys_per_split;
+  const std::int64_t end = min(count, begin + keys_per_split);
+
+  for (int i = tid; i < group * D; i += kDecodeThreads) {
+    const int g = i / D, d = i % D;
+    q_s[i] =
+        q[(static_cast<std::int64_t>(seq) * num_q_heads + kv_head * group + g) * D + d] * scale;
+  }
+  for (int g = tid; g < group; g += kDecodeThreads) {
+    m_s[g] = -INFINITY;
+    l_s[g] = 0.0f;
+  }
+  float2 acc[kPairs];
+#pragma unroll
+  for (int a = 0; a < kPairs; ++a) acc[a] = make_float2(0.0f, 0.0f);
+  const int num_pairs = (group * (D / 2) + kDecodeThreads - 1) / kDecodeThreads;
+
+  if (begin < end) {
+    load_kv_tile<T, D>(view, seq, kv_head, keys, begin, end, k_tile_at(0), v_tile_at(0), pos_tiles,
+                       tid, kDecodeThreads, kDecodeTile);
+  }
+  __pipeline_commit();
+  int buf = 0;
+  for (std::int64_t i0 = begin; i0 < end; i0 += kDecodeTile, buf ^= 1) {
+    const std::int64_t next = i0 + kDecodeTile;
+    if (next < end) {
+      load_kv_tile<T, D>(view, seq, kv_head, keys, next, end, k_tile_at(buf ^ 1),
+                         v_tile_at(buf ^ 1), pos_tiles + (buf ^ 1) * kDecodeTile, tid,
+                         kDecodeThreads, kDecodeTile);
+    }
+    __pipeline_commit();
+    __pipeline_wait_prior(1);  // this thread's copies of the current tile have landed
+    __syncthreads();           // ... and everybody's
+    const char* k_tile = k_tile_at(buf);
+    const char* v_tile = v_tile_at(buf);
+    const std::int64_t* pos_tile = pos_tiles + buf * kDecodeTile;
+
+    {  // partial q.k over one half of head_dim, four query heads per pass over the row
+      const int key = tid % kDecodeTile, part = tid / kDecodeTile;
+      const T* krow = reinterpret_cast<const T*>(k_tile + key * kRowStride) + part * (D / 2);
+      const float* qrow = q_s + part * (D / 2);
+      for (int g0 = 0; g0 < group; g0 += 4) {
+        float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (int d = 0; d < D / 2; d += kElemsPer16) {
+          float kd[kElemsPer16];
+          load16(krow + d, kd);
+#pragma unroll
+          for (int g = 0; g < 4; ++g) {
+            if (g0 + g < group) {
+              const float4* qv = reinterpret_cast<const float4*>(qrow + (g0 + g) * D + d);
+#pragma unroll
+              for (int e = 0; e < kElemsPer16 / 4; ++e) {
+                const float4 qq = qv[e];
+                dot[g] += qq.x * kd[4 * e] + qq.y * kd[4 * e + 1] + qq.z * kd[4 * e + 2] +
+                          qq.w * kd[4 * e + 3];
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          if (g0 + g < group) s_s[(part * group + g0 + g) * kDecodeTile + key] = dot[g];
+        }
+      }
+    }
+    __syncthreads();
+    for (int g = warp; g < group; g += kDecodeThreads / 32) {  // online softmax, warp per head
+      float* s = s_s + g * kDecodeTile;
+      const float* s_other = s_s + (group + g) * kDecodeTile;
+      float sc[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = lane + 32 * h;
+        const std::int64_t pos = pos_tile[j];
+        sc[h] = transform_score(s[j] + s_other[j], softcap, pos >= 0 && mask.visible(qpos, pos));
+      }
+      const float tile_max = warp_max(fmaxf(sc[0], sc[1]));
+      const float m_old = m_s[g];
+      const float m_new = fmaxf(m_old, tile_max);
+      float p[2] = {0.0f, 0.0f}, correction = 1.0f;
+      if (m_new != -INFINITY) {
+        correction = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) p[h] = sc[h] == -INFINITY ? 0.0f : __expf(sc[h] - m_new);
+      }
+      s[lane] = p[0];
+      s[lane + 32] = p[1];
+      const float tile_sum = warp_sum(p[0] + p[1]);
+      if (lane == 0) {
+        m_s[g] = m_new;
+        l_s[g] = l_s[g] * correction + tile_sum;
+        corr_s[g] = correction;
+      }
+    }
+    __syncthreads();
+    // p.V: this thread owns dim pairs o = a * kDecodeThreads + tid of the (query head, dim)
+    // outputs; p is read four keys at a time (broadcast), V two dims at a time.
+#pragma unroll
+    for (int a = 0; a < kPairs; ++a) {
+      const int o = a * kDecodeThreads + tid;
+      if (a < num_pairs && o < group * (D / 2)) {
+        const int g = o / (D / 2), d = 2 * (o % (D / 2));
+        const float4* p4 = reinterpret_cast<const float4*>(s_s + g * kDecodeTile);
+        const char* vcol = v_tile + d * static_cast<int>(sizeof(T));
+        float2 sum = make_float2(0.0f, 0.0f);
+#pragma unroll 4
+        for (int j4 = 0; j4 < kDecodeTile / 4; ++j4) {
+          const float4 p = p4[j4];
+          const float pj[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const float2 vv =
+                load_pair(reinterpret_cast<const T*>(vcol + (4 * j4 + jj) * kRowStride));
+            sum.x += pj[jj] * vv.x;
+            sum.y += pj[jj] * vv.y;
+          }
+        }
+        const float c = corr_s[g];
+        acc[a].x = acc[a].x * c + sum.x;
+        acc[a].y = acc[a].y * c + sum.y;
+      }
+    }
+    __syncthreads();  // before the next iteration's copies overwrite the other buffer
+  }
+  __pipeline_wait_prior(0);
+
+#pragma unroll
+  for (int a = 0; a < kPairs; ++a) {
+    const int o = a * kDecodeThreads + tid;
+    if (a < num_pairs && o < group * (D / 2)) {
+      const int g = o / (D / 2), d = 2 * (o % (D / 2));
+      const std::int64_t head_row =
+          static_cast<std::int64_t>(seq) * num_q_heads + kv_head * group + g;
+      if (num_splits == 1) {
+        const float l = l_s[g];
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        out[head_row * D + d] = acc[a].x * inv;
+        out[head_row * D + d + 1] = acc[a].y * inv;
+      } else {
+        const std::int64_t part_row = head_row * num_splits + split;
+        partial_acc[part_row * D + d] = acc[a].x;
+        partial_acc[part_row * D + d + 1] = acc[a].y;
+        if (d == 0) {
+          partial_ml[part_row * 2] = m_s[g];
+          partial_ml[part_row * 2 + 1] = l_s[g];
+        }
+      }
+    }
+  }
+}
+
+/// Combines the splits of each (sequence, query head): out = sum_s acc_s e^(m_s - M) / L.
+template <int D>
+__global__ void decode_merge_kernel(const float* __restrict__ partial_acc,
+                                    const float* __restrict__ partial_ml, float* __restrict__ out,
+                                    int num_q_heads, int num_splits) {
+  const std::int64_t head_row = static_cast<std::int64_t>(blockIdx.x) * num_q_heads + blockIdx.y;
+  const float* ml = partial_ml + head_row * num_splits * 2;
+  float m = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, ml[2 * s]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float num = 0.0f, den = 0.0f;
+    if (m != -INFINITY) {
+      for (int s = 0; s < num_splits; ++s) {
+        const float ms = ml[2 * s];
+        if (ms == -INFINITY) continue;
+        const float w = __expf(ms - m);
+        num += partial_acc[(head_row * num_splits + s) * D + d] * w;
+        den += ml[2 * s + 1] * w;
+      }
+    }
+    out[head_row * D + d] = den > 0.0f ? num / den : 0.0f;
+  }
+}
+
+/// Splits for a batch: enough blocks to fill the device twice over, each split >= 256 keys.
+inline int decode_num_splits(std::int64_t max_keys, int num_seqs, int num_kv_heads, int num_sms) {
+  const std::int64_t blocks = static_cast<std::int64_t>(num_seqs) * num_kv_heads;
+  const std::int64_t want = (2 * num_sms + blocks - 1) / std::max<std::int64_t>(blocks, 1);
+  const std::int64_t most =
+      std::max<std::int64_t>(1, (max_keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
+  return static_cast<int>(std::clamp<std::int64_t>(want, 1, most));
+}
+
+[[nodiscard]] inline int device_sm_count() {
+  int device = 0, sms = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+        "cudaDeviceGetAttribute(multiProcessorCount)");
+  return sms;
+}
+
+}  // namespace detail
+
+/// Bytes of workspace launch_decode_attention may need for a batch whose longest view holds
+/// `max_keys` tokens (partials of every split). Query it, allocate once, reuse.
+[[nodiscard]] inline std::size_t decode_workspace_bytes(int num_seqs, int num_q_heads,
+                                                        int num_kv_heads, int head_dim,
+                                                        std::int64_t max_keys) {
+  const int splits =
+      detail::decode_num_splits(max_keys, num_seqs, num_kv_heads, detail::device_sm_count());
+  if (splits == 1) return 0;
+  return static_cast<std::size_t>(num_seqs) * num_q_heads * splits * (head_dim + 2) * sizeof(float);
+}
+
+}  // namespace kvcache::cuda

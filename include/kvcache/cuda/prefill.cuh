@@ -1,0 +1,241 @@
+// SPDX-License-Identifier: Apache-2.0
+// Prefill attention on the GPU: many query tokens per sequence against the cached prefix plus the
+// new tokens, causal by absolute positions. A tiled flash-attention kernel: 64 query rows x 64 keys
+// per step, q.k and p.V on tensor cores (wmma: fp16 and bf16 operands, tf32 for fp32 caches),
+// online softmax and the output accumulator in fp32.
+#pragma once
+
+#include <cuda_pipeline.h>
+#include <mma.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvcache/cuda/decode.cuh"
+#include "kvcache/cuda/kernels_common.cuh"
+#include "kvcache/cuda/runtime.cuh"
+#include "kvcache/cuda/view.cuh"
+
+namespace kvcache::cuda {
+
+inline constexpr int kPrefillThreads = 128;  ///< 4 warps, 16 query rows each
+inline constexpr int kPrefillRows = 64;      ///< query rows per block
+inline constexpr int kPrefillKeys = 64;      ///< keys per step
+
+namespace detail {
+
+/// Tensor-core operand types for a cache element type.
+template <Element T>
+struct MmaTraits;
+template <>
+struct MmaTraits<kvcache::half> {
+  using storage = __half;  // shared-memory element (bit-identical to kvcache::half)
+  using operand = __half;  // wmma fragment element
+  static constexpr int kK = 16;
+  __device__ static storage from_float(float x) { return __float2half_rn(x); }
+};
+template <>
+struct MmaTraits<kvcache::bfloat16> {
+  using storage = __nv_bfloat16;
+  using operand = __nv_bfloat16;
+  static constexpr int kK = 16;
+  __device__ static storage from_float(float x) { return __float2bfloat16_rn(x); }
+};
+template <>
+struct MmaTraits<float> {
+  using storage = float;
+  using operand = nvcuda::wmma::precision::tf32;
+  static constexpr int kK = 8;
+  __device__ static storage from_float(float x) { return x; }
+};
+
+/// Shared-memory row strides (elements) and total bytes of the prefill kernel.
+template <Element T, int D>
+struct PrefillSmem {
+  using S = typename MmaTraits<T>::storage;
+  static constexpr int kPadS = 16 / static_cast<int>(sizeof(S));  // 16 bytes
+  static constexpr int kLdQ = D + kPadS;             // q, k, v tiles [64][D + pad] (storage)
+  static constexpr int kLdP = kPrefillKeys + kPadS;  // p [64][64 + pad] (storage)
+  static constexpr int kLdS = kPrefillKeys + 4;      // scores [64][68] (float)
+  static constexpr int kLdO = D + 4;                 // output accumulator [64][D + 4] (float)
+  static constexpr std::size_t kQ = 0;
+  static constexpr std::size_t kK = kQ + sizeof(S) * kPrefillRows * kLdQ;
+  static constexpr std::size_t kV = kK + sizeof(S) * kPrefillKeys * kLdQ;
+  static constexpr std::size_t kP = kV + sizeof(S) * kPrefillKeys * kLdQ;
+  static constexpr std::size_t kS = kP + sizeof(S) * kPrefillRows * kLdP;
+  static constexpr std::size_t kO = kS + sizeof(float) * kPrefillRows * kLdS;
+  static constexpr std::size_t kPos = kO + sizeof(float) * kPrefillRows * kLdO;
+  static constexpr std::size_t kStats = kPos + sizeof(std::int64_t) * kPrefillKeys;
+  static constexpr std::size_t kBytes = kStats + 3 * sizeof(float) * kPrefillRows;
+};
+
+/// One block per (64-row query tile, query head, sequence). Query row r of sequence s sits at
+/// position length[s] - q_len(s) + r. Every step loads 64 keys of the visible list, computes the
+/// 64 x 64 scores on tensor cores (warp w owns query rows 16w..16w+15), updates the online
+/// softmax of its rows, rescales their accumulator rows, and adds p.V on tensor cores.
+template <Element T, int D>
+__global__ void __launch_bounds__(kPrefillThreads)
+    prefill_attention_kernel(DeviceKVView<T> view, const float* __restrict__ q,
+                             float* __restrict__ out, const std::int32_t* __restrict__ q_offsets,
+                             int num_q_heads, DeviceMask mask, float scale, float softcap) {
+  namespace wmma = nvcuda::wmma;
+  using Traits = MmaTraits<T>;
+  using S = typename Traits::storage;
+  using Op = typename Traits::operand;
+  using L = PrefillSmem<T, D>;
+  constexpr int kK = Traits::kK;
+  const int tile = blockIdx.x, q_head = blockIdx.y, seq = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int group = num_q_heads / view.num_kv_heads;
+  const int kv_head = q_head / group;
+
+  const std::int32_t q_begin = q_offsets[seq];
+  const int q_len = q_offsets[seq + 1] - q_begin;
+  const int row0 = tile * kPrefillRows;
+  if (row0 >= q_len) return;
+  const int rows = min(kPrefillRows, q_len - row0);
+  const std::int64_t length = view.length[seq];
+  const std::int64_t first_pos = length - q_len + row0;  // position of this tile's row 0
+  const std::int64_t last_pos = first_pos + rows - 1;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  S* q_s = reinterpret_cast<S*>(smem + L::kQ);
+  S* k_s = reinterpret_cast<S*>(smem + L::kK);
+  S* v_s = reinterpret_cast<S*>(smem + L::kV);
+  S* p_s = reinterpret_cast<S*>(smem + L::kP);
+  float* s_s = reinterpret_cast<float*>(smem + L::kS);
+  float* o_s = reinterpret_cast<float*>(smem + L::kO);
+  std::int64_t* pos_s = reinterpret_cast<std::int64_t*>(smem + L::kPos);
+  float* m_s = reinterpret_cast<float*>(smem + L::kStats);
+  float* l_s = m_s + kPrefillRows;
+  float* corr_s = l_s + kPrefillRows;
+
+  // scaled queries in the operand precision; rows past q_len are zero
+  for (int i = tid; i < kPrefillRows * D; i += kPrefillThreads) {
+    const int r = i / D, d = i % D;
+    const float x =
+        r < rows
+            ? q[((static_cast<std::int64_t>(q_begin) + row0 + r) * num_q_heads + q_head) * D + d] *
+                  scale
+            : 0.0f;
+    q_s[r * L::kLdQ + d] = Traits::from_float(x);
+  }
+  for (int i = tid; i < kPrefillRows * D; i += kPrefillThreads)
+    o_s[(i / D) * L::kLdO + i % D] = 0.0f;
+  for (int r = tid; r < kPrefillRows; r += kPrefillThreads) {
+    m_s[r] = -INFINITY;
+    l_s[r] = 0.0f;
+  }
+
+  const KeyRange keys = visible_keys(key_range(view, seq), mask, first_pos);
+  const std::int64_t count = keys.count();
+  for (std::int64_t i0 = 0; i0 < count; i0 += kPrefillKeys) {
+    if (mask.causal && keys.pos(i0) > last_pos) break;  // positions grow with the index
+    __syncthreads();  // previous step done with k_s, v_s, s_s, p_s
+    load_kv_tile<T, D>(view, seq, kv_head, keys, i0, count, reinterpret_cast<char*>(k_s),
+                       reinterpret_cast<char*>(v_s), pos_s, tid, kPrefillThreads, kPrefillKeys);
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    __syncthreads();
+
+    // scores: warp rows [16w, 16w + 16) x 64 keys
+    {
+      wmma::fragment<wmma::accumulator, 16, 16, kK, float> acc[kPrefillKeys / 16];
+#pragma unroll
+      for (int c = 0; c < kPrefillKeys / 16; ++c) wmma::fill_fragment(acc[c], 0.0f);
+#pragma unroll
+      for (int kk = 0; kk < D; kk += kK) {
+        wmma::fragment<wmma::matrix_a, 16, 16, kK, Op, wmma::row_major> a;
+        wmma::load_matrix_sync(a, q_s + warp * 16 * L::kLdQ + kk, L::kLdQ);
+        if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+          for (int e = 0; e < a.num_elements; ++e) a.x[e] = wmma::__float_to_tf32(a.x[e]);
+        }
+#pragma unroll
+        for (int c = 0; c < kPrefillKeys / 16; ++c) {
+          wmma::fragment<wmma::matrix_b, 16, 16, kK, Op, wmma::col_major> b;
+          wmma::load_matrix_sync(b, k_s + c * 16 * L::kLdQ + kk, L::kLdQ);
+          if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+            for (int e = 0; e < b.num_elements; ++e) b.x[e] = wmma::__float_to_tf32(b.x[e]);
+          }
+          wmma::mma_sync(acc[c], a, b, acc[c]);
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kPrefillKeys / 16; ++c) {
+        wmma::store_matrix_sync(s_s + warp * 16 * L::kLdS + c * 16, acc[c], L::kLdS,
+                                wmma::mem_row_major);
+      }
+    }
+    __syncwarp();
+    // online softmax of the warp's 16 rows; lanes cover keys lane and lane + 32
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r = warp * 16 + rr;
+      const std::int64_t qpos = first_pos + r;
+      float sc[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = lane + 32 * h;
+        const std::int64_t pos = pos_s[j];
+        const bool visible = r < rows && pos >= 0 && mask.visible(qpos, pos);
+        sc[h] = transform_score(s_s[r * L::kLdS + j], softcap, visible);
+      }
+      const float tile_max = warp_max(fmaxf(sc[0], sc[1]));
+      const float m_old = m_s[r];
+      const float m_new = fmaxf(m_old, tile_max);
+      float p[2] = {0.0f, 0.0f}, correction = 1.0f;
+      if (m_new != -INFINITY) {
+        correction = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) p[h] = sc[h] == -INFINITY ? 0.0f : __expf(sc[h] - m_new);
+      }
+      p_s[r * L::kLdP + lane] = Traits::from_float(p[0]);
+      p_s[r * L::kLdP + lane + 32] = Traits::from_float(p[1]);
+      const float sum = warp_sum(p[0] + p[1]);
+      if (lane == 0) {
+        m_s[r] = m_new;
+        l_s[r] = l_s[r] * correction + sum;
+        corr_s[r] = correction;
+      }
+    }
+    __syncwarp();
+    for (int i = lane; i < 16 * D; i += 32) {  // rescale the warp's accumulator rows
+      const int r = warp * 16 + i / D;
+      o_s[r * L::kLdO + i % D] *= corr_s[r];
+    }
+    __syncwarp();
+    // o += p.V for the warp's rows
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c) {
+      wmma::fragment<wmma::accumulator, 16, 16, kK, float> o;
+      float* o_tile = o_s + warp * 16 * L::kLdO + c * 16;
+      wmma::load_matrix_sync(o, o_tile, L::kLdO, wmma::mem_row_major);
+#pragma unroll
+      for (int kk = 0; kk < kPrefillKeys; kk += kK) {
+        wmma::fragment<wmma::matrix_a, 16, 16, kK, Op, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, kK, Op, wmma::row_major> b;
+        wmma::load_matrix_sync(a, p_s + warp * 16 * L::kLdP + kk, L::kLdP);
+        wmma::load_matrix_sync(b, v_s + kk * L::kLdQ + c * 16, L::kLdQ);
+        if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+          for (int e = 0; e < a.num_elements; ++e) a.x[e] = wmma::__float_to_tf32(a.x[e]);
+#pragma unroll
+          for (int e = 0; e < b.num_elements; ++e) b.x[e] = wmma::__float_to_tf32(b.x[e]);
+        }
+        wmma::mma_sync(o, a, b, o);
+      }
+      wmma::store_matrix_sync(o_tile, o, L::kLdO, wmma::mem_row_major);
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < rows * D; i += kPrefillThreads) {
+    const int r = i / D, d = i % D;
+    const float l = l_s[r];
+    out[((static_cast<std::int64_t>(q_begin) + row0 + r) * num_q_heads + q_head) * D + d] =
+        l > 0.0f ? o_s[r * L::kLdO + d] / l : 0.0f;
+  }
+}
+
+}  // namespace detail
+}  // namespace kvcache::cuda

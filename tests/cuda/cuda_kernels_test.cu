@@ -1,0 +1,389 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA kernels against the CPU: appends must store bit-identical rows (every dtype, layout,
+// block boundary), and decode and prefill attention must equal kvcache::reference over the same
+// cached tokens (random data, odd sizes, GQA groups, windows, sinks, soft-caps, splits). Every
+// test skips with a message when no CUDA device is present.
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "kvcache/cuda/cuda.cuh"
+#include "kvcache/kvcache.hpp"
+#include "support/cache_helpers.hpp"
+#include "support/catch.hpp"
+#include "support/rng.hpp"
+#include "support/throws.hpp"
+#include "support/tolerance.hpp"
+
+// No `using namespace kvcache`: CUDA's headers declare a global `half` and namespace `cuda`.
+namespace kcuda = kvcache::cuda;
+using kvcache::AttentionOptions;
+using kvcache::bfloat16;
+using kvcache::Element;
+using kvcache::position_t;
+using kvcache::SlidingWindowCache;
+using kvcache::SlidingWindowCacheConfig;
+using kvcache::StaticCache;
+using kvcache::StaticCacheConfig;
+using kvcache::TokenBlock;
+namespace reference = kvcache::reference;
+using kvcache::test::Tolerance;
+
+namespace {
+
+bool have_device() {
+  if (kcuda::device_count() > 0) return true;
+  WARN(
+      "skipped: no CUDA device (cudaGetDeviceCount found none); run scripts/gpu-check.sh on a "
+      "machine with a GPU");
+  return false;
+}
+
+template <class T>
+std::vector<T> download(const T* device, std::size_t n) {
+  std::vector<T> host(n);
+  kcuda::check(cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
+  return host;
+}
+
+template <class T>
+kcuda::DeviceBuffer<T> upload(const std::vector<T>& host) {
+  kcuda::DeviceBuffer<T> d(host.size());
+  kcuda::check(cudaMemcpy(d.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+               "upload");
+  return d;
+}
+
+// Host copy of DeviceKVView::row_offset (same formula, for reading downloaded storage).
+template <Element T>
+std::int64_t host_row_offset(const kcuda::DeviceKVView<T>& v,
+                             const std::vector<std::int32_t>& table, int seq, int head,
+                             std::int64_t pos) {
+  if (v.layout == kcuda::Layout::paged) {
+    const std::int32_t block =
+        table[static_cast<std::size_t>(seq) * v.max_blocks + pos / v.block_size];
+    return block * v.block_stride + head * v.head_stride + (pos % v.block_size) * v.head_dim;
+  }
+  std::int64_t slot = pos;
+  if (v.layout == kcuda::Layout::ring && pos >= v.num_sinks) {
+    slot = v.num_sinks + (pos - v.num_sinks) % v.ring_len;
+  }
+  return seq * v.seq_stride + head * v.head_stride + slot * v.head_dim;
+}
+
+// A CPU cache holding the same tokens as a DeviceCache, for the reference.
+struct Twin {
+  kcuda::Layout layout;
+  std::size_t layers, heads, dim, batch, capacity, window, sinks, max_append;
+};
+
+kcuda::DeviceCacheConfig device_config(const Twin& t) {
+  return {.layout = t.layout,
+          .num_layers = t.layers,
+          .num_kv_heads = t.heads,
+          .head_dim = t.dim,
+          .max_batch = t.batch,
+          .max_seq_len = t.capacity,
+          .window = t.window,
+          .num_sink_tokens = t.sinks,
+          .max_append_len = t.max_append,
+          .block_size = 16,
+          .num_blocks = t.batch * ((t.capacity + 15) / 16)};
+}
+
+// The CPU counterpart: a sliding window for ring, a static cache otherwise (paged storage holds
+// the same logical tokens as a contiguous one).
+template <Element T>
+struct CpuTwin {
+  std::optional<StaticCache<T>> flat;
+  std::optional<SlidingWindowCache<T>> ring;
+  explicit CpuTwin(const Twin& t) {
+    if (t.layout == kcuda::Layout::ring) {
+      ring.emplace(SlidingWindowCacheConfig{.num_layers = t.layers,
+                                            .num_kv_heads = t.heads,
+                                            .head_dim = t.dim,
+                                            .max_batch = t.batch,
+                                            .window = t.window,
+                                            .num_sink_tokens = t.sinks,
+                                            .max_append_len = t.max_append});
+    } else {
+      flat.emplace(StaticCacheConfig{.num_layers = t.layers,
+                                     .num_kv_heads = t.heads,
+                                     .head_dim = t.dim,
+                                     .max_batch = t.batch,
+                                     .max_seq_len = t.capacity});
+    }
+  }
+  void append(std::size_t l, std::size_t s, const kvcache::test::TokenKV& kv, std::size_t first,
+              std::size_t n) {
+    if (ring) ring->append(l, s, kv.k_block(first, n), kv.v_block(first, n));
+    if (flat) flat->append(l, s, kv.k_block(first, n), kv.v_block(first, n));
+  }
+  template <class F>
+  void with_view(std::size_t l, std::size_t s, F&& f) const {
+    if (ring) f(ring->view(l, s));
+    if (flat) f(flat->view(l, s));
+  }
+};
+
+// Fills both caches with the same random tokens for every sequence (random lengths, appended in
+// random chunks batched over sequences), returning each sequence's token data per layer.
+template <Element T>
+std::vector<std::vector<kvcache::test::TokenKV>> fill(kcuda::DeviceCache<T>& dev, CpuTwin<T>& cpu,
+                                                      const Twin& t, std::mt19937_64& rng,
+                                                      const std::vector<std::size_t>& lengths) {
+  std::vector<std::vector<kvcache::test::TokenKV>> data(t.batch);
+  for (std::size_t s = 0; s < t.batch; ++s) {
+    for (std::size_t l = 0; l < t.layers; ++l) {
+      data[s].push_back(
+          kvcache::test::random_kv(rng, std::max<std::size_t>(lengths[s], 1), t.heads, t.dim));
+    }
+  }
+  std::vector<std::size_t> done(t.batch, 0);
+  for (;;) {
+    std::vector<std::size_t> seqs, counts;
+    for (std::size_t s = 0; s < t.batch; ++s) {
+      if (done[s] == lengths[s]) continue;
+      seqs.push_back(s);
+      counts.push_back(
+          std::min(kvcache::test::uniform(rng, 1, t.max_append), lengths[s] - done[s]));
+    }
+    if (seqs.empty()) break;
+    for (std::size_t l = 0; l < t.layers; ++l) {
+      std::vector<float> k, v;
+      for (std::size_t i = 0; i < seqs.size(); ++i) {
+        const auto& kv = data[seqs[i]][l];
+        const std::size_t row = t.heads * t.dim;
+        k.insert(k.end(), kv.k.begin() + done[seqs[i]] * row,
+                 kv.k.begin() + (done[seqs[i]] + counts[i]) * row);
+        v.insert(v.end(), kv.v.begin() + done[seqs[i]] * row,
+                 kv.v.begin() + (done[seqs[i]] + counts[i]) * row);
+        cpu.append(l, seqs[i], kv, done[seqs[i]], counts[i]);
+      }
+      auto dk = upload(k), dv = upload(v);
+      dev.append(l, seqs, counts, dk.data(), dv.data(), nullptr);
+      kcuda::check(cudaDeviceSynchronize(), "append");
+    }
+    for (std::size_t i = 0; i < seqs.size(); ++i) done[seqs[i]] += counts[i];
+  }
+  return data;
+}
+
+const kcuda::Layout kLayouts[] = {kcuda::Layout::contiguous, kcuda::Layout::ring,
+                                  kcuda::Layout::paged};
+
+template <class T>
+Tolerance decode_tolerance() {
+  return {1e-4, 1e-4};  // fp32 accumulation with __expf vs double, same stored K/V
+}
+template <class T>
+Tolerance prefill_tolerance() {
+  // q and p are rounded to the tensor-core operand type (fp16, bf16, or tf32 for float)
+  if constexpr (std::is_same_v<T, bfloat16>) return {3e-2, 3e-2};
+  return {1e-2, 1e-2};
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("CUDA append stores exactly what the CPU cache stores", "[cuda]", float,
+                   kvcache::half, bfloat16) {
+  if (!have_device()) return;
+  auto rng = kvcache::test::make_rng("cuda-append");
+  for (kcuda::Layout layout : kLayouts) {
+    const Twin t{layout, 2, 3, 64, 4, 100, 40, 3, 17};
+    kcuda::DeviceCache<TestType> dev(device_config(t));
+    CpuTwin<TestType> cpu(t);
+    const std::vector<std::size_t> lengths{100, 1, 37, 64};  // ring wraps; paged crosses blocks
+    fill(dev, cpu, t, rng, lengths);
+    for (std::size_t l = 0; l < t.layers; ++l) {
+      const auto view = dev.view(l);
+      std::vector<std::int32_t> table;
+      if (layout == kcuda::Layout::paged) {
+        table = download(view.block_table, t.batch * static_cast<std::size_t>(view.max_blocks));
+      }
+      for (std::size_t s = 0; s < t.batch; ++s) {
+        cpu.with_view(l, s, [&](const auto& cv) {
+          std::vector<float> ck, cvv;
+          std::vector<position_t> pos;
+          reference::gather_view(cv, ck, cvv, pos);
+          for (std::size_t i = 0; i < pos.size(); ++i) {
+            for (std::size_t h = 0; h < t.heads; ++h) {
+              const std::int64_t off =
+                  host_row_offset(view, table, static_cast<int>(s), static_cast<int>(h), pos[i]);
+              const auto krow = download(view.k + off, t.dim);
+              const auto vrow = download(view.v + off, t.dim);
+              for (std::size_t d = 0; d < t.dim; ++d) {
+                INFO("layout " << static_cast<int>(layout) << " layer " << l << " seq " << s
+                               << " pos " << pos[i] << " head " << h << " dim " << d);
+                REQUIRE(kvcache::to_float(krow[d]) == ck[(i * t.heads + h) * t.dim + d]);
+                REQUIRE(kvcache::to_float(vrow[d]) == cvv[(i * t.heads + h) * t.dim + d]);
+              }
+            }
+          }
+        });
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", float, kvcache::half,
+                   bfloat16) {
+  if (!have_device()) return;
+  auto rng = kvcache::test::make_rng("cuda-decode");
+  struct Case {
+    std::size_t dim, group, kv_heads;
+    AttentionOptions opts;
+  };
+  const Case cases[] = {{64, 1, 2, {}},
+                        {128, 4, 2, {}},
+                        {256, 2, 1, {.softcap = 30.0f}},
+                        {128, 8, 1, {.scale = 0.05f}},
+                        {64, 16, 1, {}},
+                        {128, 3, 2, {}}};
+  for (kcuda::Layout layout : kLayouts) {
+    for (const Case& c : cases) {
+      const Twin t{layout, 1, c.kv_heads, c.dim, 5, 3000, 500, 4, 300};
+      kcuda::DeviceCache<TestType> dev(device_config(t));
+      CpuTwin<TestType> cpu(t);
+      // long enough for several splits; 1 and odd lengths; a block boundary
+      const std::vector<std::size_t> lengths{3000, 1, 17, 513, 2049};
+      fill(dev, cpu, t, rng, lengths);
+      AttentionOptions opts = c.opts;
+      if (layout == kcuda::Layout::ring) {
+        opts.window = t.window;
+        opts.num_sink_tokens = t.sinks;
+      }
+      const std::size_t q_heads = c.kv_heads * c.group;
+      const auto q = kvcache::test::normal_floats(rng, t.batch * q_heads * c.dim);
+      auto dq = upload(q);
+      kcuda::DeviceBuffer<float> dout(q.size());
+      kcuda::check(cudaMemset(dout.data(), 0xff, dout.bytes()), "poison");  // NaN everywhere
+      const auto view = dev.view(0);
+      dev.check_attention(0, std::vector<std::size_t>(t.batch, 1), opts);
+      const std::size_t ws_bytes = kcuda::decode_workspace_bytes(
+          static_cast<int>(t.batch), static_cast<int>(q_heads), static_cast<int>(c.kv_heads),
+          static_cast<int>(c.dim), view.max_length);
+      kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
+      kvcache::attend(
+          TokenBlock<const float>{std::span<const float>(dq.data(), q.size()), t.batch, q_heads,
+                                  c.dim},
+          view, TokenBlock<float>{std::span<float>(dout.data(), q.size()), t.batch, q_heads, c.dim},
+          opts, kcuda::DeviceAttendArgs{.workspace = ws.data(), .workspace_bytes = ws_bytes});
+      kcuda::check(cudaDeviceSynchronize(), "decode");
+      const auto got = download(dout.data(), q.size());
+      for (std::size_t s = 0; s < t.batch; ++s) {
+        std::vector<float> expect(q_heads * c.dim);
+        cpu.with_view(0, s, [&](const auto& cv) {
+          reference::attend(
+              {std::span<const float>(q).subspan(s * q_heads * c.dim, q_heads * c.dim), 1, q_heads,
+               c.dim},
+              cv, {expect, 1, q_heads, c.dim}, opts);
+        });
+        INFO("layout " << static_cast<int>(layout) << " dim " << c.dim << " group " << c.group
+                       << " seq " << s << " length " << lengths[s]);
+        kvcache::test::require_close(
+            std::span<const float>(got).subspan(s * q_heads * c.dim, q_heads * c.dim), expect,
+            decode_tolerance<TestType>());
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda]", float,
+                   kvcache::half, bfloat16) {
+  if (!have_device()) return;
+  auto rng = kvcache::test::make_rng("cuda-prefill");
+  for (kcuda::Layout layout : kLayouts) {
+    for (std::size_t dim : {64, 128}) {
+      const std::size_t kv_heads = 2, group = 2, q_heads = kv_heads * group;
+      const Twin t{layout, 1, kv_heads, dim, 3, 700, 300, 2, 200};
+      kcuda::DeviceCache<TestType> dev(device_config(t));
+      CpuTwin<TestType> cpu(t);
+      const std::vector<std::size_t> cached{300, 0, 129};  // prefix already in the cache
+      const std::vector<std::size_t> fresh{130, 65, 200};  // then this many new tokens each
+      std::vector<std::size_t> total(3);
+      for (std::size_t s = 0; s < 3; ++s) total[s] = cached[s] + fresh[s];
+      fill(dev, cpu, t, rng, total);  // K/V of all tokens, new ones included, are appended
+      AttentionOptions opts;
+      if (layout == kcuda::Layout::ring) {
+        opts.window = t.window;
+        opts.num_sink_tokens = t.sinks;
+      }
+      std::vector<std::int32_t> offsets{0};
+      for (std::size_t s = 0; s < 3; ++s)
+        offsets.push_back(offsets.back() + static_cast<std::int32_t>(fresh[s]));
+      const std::size_t rows = static_cast<std::size_t>(offsets.back());
+      const auto q = kvcache::test::normal_floats(rng, rows * q_heads * dim);
+      auto dq = upload(q);
+      auto doff = upload(offsets);
+      kcuda::DeviceBuffer<float> dout(q.size());
+      kcuda::check(cudaMemset(dout.data(), 0xff, dout.bytes()), "poison");
+      dev.check_attention(0, fresh, opts);
+      kvcache::attend(
+          TokenBlock<const float>{std::span<const float>(dq.data(), q.size()), rows, q_heads, dim},
+          dev.view(0),
+          TokenBlock<float>{std::span<float>(dout.data(), q.size()), rows, q_heads, dim}, opts,
+          kcuda::DeviceAttendArgs{.q_offsets = doff.data(), .max_q_len = 200});
+      kcuda::check(cudaDeviceSynchronize(), "prefill");
+      const auto got = download(dout.data(), q.size());
+      for (std::size_t s = 0; s < 3; ++s) {
+        const std::size_t n = fresh[s], first = static_cast<std::size_t>(offsets[s]);
+        std::vector<float> expect(n * q_heads * dim);
+        cpu.with_view(0, s, [&](const auto& cv) {
+          reference::attend(
+              {std::span<const float>(q).subspan(first * q_heads * dim, n * q_heads * dim), n,
+               q_heads, dim},
+              cv, {expect, n, q_heads, dim}, opts);
+        });
+        INFO("layout " << static_cast<int>(layout) << " dim " << dim << " seq " << s);
+        kvcache::test::require_close(
+            std::span<const float>(got).subspan(first * q_heads * dim, n * q_heads * dim), expect,
+            prefill_tolerance<TestType>());
+      }
+    }
+  }
+}
+
+TEST_CASE("CUDA launchers and DeviceCache reject bad input with the numbers", "[cuda]") {
+  if (!have_device()) return;
+  using kvcache::test::require_throws;
+  kcuda::DeviceCache<kvcache::half> dev({.layout = kcuda::Layout::paged,
+                                         .num_layers = 1,
+                                         .num_kv_heads = 1,
+                                         .head_dim = 64,
+                                         .max_batch = 2,
+                                         .max_seq_len = 64,
+                                         .block_size = 16,
+                                         .num_blocks = 3});
+  kcuda::DeviceBuffer<float> kv(64 * 64);
+  const std::vector<std::size_t> seq0{0}, seq1{1}, n40{40}, n20{20}, n70{70};
+  dev.append(0, seq0, n40, kv.data(), kv.data(), nullptr);  // 3 blocks: pool now empty
+  require_throws<kvcache::capacity_error>(
+      [&] { dev.append(0, seq1, n20, kv.data(), kv.data(), nullptr); }, "needs 2 new blocks",
+      "0 free of 3");
+  require_throws<kvcache::capacity_error>(
+      [&] { dev.append(0, seq0, n70, kv.data(), kv.data(), nullptr); }, "max_seq_len 64",
+      "holds 40");
+  require_throws<kvcache::batch_error>(
+      [&] { dev.append(0, std::vector<std::size_t>{2}, n20, kv.data(), kv.data(), nullptr); },
+      "sequence 2");
+  REQUIRE(dev.seq_length(0) == 40);
+  dev.crop(0, 16, nullptr);
+  REQUIRE(dev.free_blocks() == 2);
+  dev.reset(0, nullptr);
+  REQUIRE(dev.free_blocks() == 3);
+  kcuda::DeviceCache<kvcache::half> odd(
+      {.num_layers = 1, .num_kv_heads = 1, .head_dim = 96, .max_seq_len = 8});
+  dev.append(0, seq0, std::vector<std::size_t>{1}, kv.data(), kv.data(), nullptr);
+  odd.append(0, seq0, std::vector<std::size_t>{1}, kv.data(), kv.data(), nullptr);
+  kcuda::DeviceBuffer<float> q(96), out(96);
+  require_throws<kvcache::shape_error>(
+      [&] {
+        kvcache::attend(TokenBlock<const float>{std::span<const float>(q.data(), 96), 1, 1, 96},
+                        odd.view(0), TokenBlock<float>{std::span<float>(out.data(), 96), 1, 1, 96},
+                        AttentionOptions{}, kcuda::DeviceAttendArgs{});
+      },
+      "head_dim 96", "64, 128, 256");
+  kcuda::check(cudaDeviceSynchronize(), "errors");
+}
