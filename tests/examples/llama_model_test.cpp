@@ -70,8 +70,8 @@ TEST_CASE("a serialized checkpoint parses back to the same config and weights") 
 }
 
 TEST_CASE("a file shorter than the header is a format_error") {
-  auto bytes = small_file();
-  bytes.resize(20);
+  const auto file = small_file();
+  const std::vector<unsigned char> bytes(file.begin(), file.begin() + 20);
   test::require_throws<format_error>([&] { (void)llama::parse_llama2c(bytes, "short.bin"); },
                                      "short.bin", "truncated", "20 bytes", "28-byte header");
 }
@@ -130,7 +130,7 @@ TEST_CASE("a truncated payload names the size it needs and the tensor it stops i
   const std::size_t w2 = 97 * 64 + 128 + 8192 + 4096 + 4096 + 8192 + 128 + 12288;
   const std::size_t cut = 28 + 4 * (w2 + 64 * 96 + 10);
   const std::size_t full = bytes.size();
-  bytes.resize(cut);
+  bytes.erase(bytes.begin() + static_cast<std::ptrdiff_t>(cut), bytes.end());
   test::require_throws<format_error>([&] { (void)llama::parse_llama2c(bytes, "cut.bin"); },
                                      "cut.bin", "truncated", std::to_string(cut) + " bytes",
                                      "needs " + std::to_string(full),
@@ -140,7 +140,7 @@ TEST_CASE("a truncated payload names the size it needs and the tensor it stops i
 TEST_CASE("trailing bytes make the size wrong") {
   auto bytes = small_file();
   const std::size_t full = bytes.size();
-  bytes.resize(full + 8, 0);
+  bytes.insert(bytes.end(), 8, 0);
   test::require_throws<format_error>([&] { (void)llama::parse_llama2c(bytes); }, "wrong size",
                                      std::to_string(full + 8), "exactly " + std::to_string(full),
                                      "8 unexpected bytes");
