@@ -270,3 +270,6 @@ inline void matmul(const float* a, std::size_t m, std::size_t lda, const PackedM
 }
 
 }  // namespace llama
+
+#undef LLAMA_TARGET_AVX2
+#undef LLAMA_GEMM_X86

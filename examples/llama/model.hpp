@@ -4,6 +4,7 @@
 // allocates, seeded synthetic weights of any Llama shape, and the weights packed for the GEMM.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
