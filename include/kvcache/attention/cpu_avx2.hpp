@@ -45,11 +45,13 @@ KVCACHE_TARGET_AVX2 inline __m256 load8(const T* p) noexcept {
   }
 }
 
+/// The sum of the 8 lanes, associated as ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)):
+/// exactly as hsum8x8, so a dot product rounds the same whichever path computes it and a query's
+/// result does not depend on the other queries of the call.
 KVCACHE_TARGET_AVX2 inline float hsum(__m256 v) noexcept {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
+  const __m256 pairs = _mm256_hadd_ps(v, v);          // v0+v1, v2+v3, .. | v4+v5, v6+v7, ..
+  const __m256 quads = _mm256_hadd_ps(pairs, pairs);  // (v0+v1)+(v2+v3) | (v4+v5)+(v6+v7)
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
 }
 
 /// exp(x) for 8 lanes with x <= 0; lanes below -87 (including -inf) give exactly 0.

@@ -1,0 +1,651 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvcache_demo: the example inference engine's command line. Runs a llama2.c checkpoint or an
+// embedded synthetic Llama model through four KV-cache scenarios (or plain generation) and prints
+// TTFT and decode speed with and without the cache, side by side, measured in the same run.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#if __has_include(<unistd.h>)
+#include <unistd.h>
+#define KVCACHE_DEMO_HAS_ISATTY 1
+#endif
+
+#include "kvcache/kvcache.hpp"
+#include "llama/caches.hpp"
+#include "llama/forward.hpp"
+#include "llama/generate.hpp"
+#include "llama/model.hpp"
+#include "llama/sampler.hpp"
+#include "llama/scenarios.hpp"
+#include "llama/tokenizer.hpp"
+
+#ifndef KVCACHE_SHARED_DIR
+#define KVCACHE_SHARED_DIR "../shared"
+#endif
+
+namespace {
+
+using llama::token_id;
+using llama::usage_error;
+
+constexpr std::string_view kDefaultSpec = "8L-512d-8h-4kv-512ctx";
+
+constexpr std::string_view kUsage = R"(usage: kvcache_demo [command] [options]
+
+commands:
+  demo             all four scenarios, one summary table (the default)
+  chat             1. multi-turn chat: cached turns append only their new tokens
+  system-prompt    2. one system prompt in a StaticCache serving many requests
+  rag              3. many questions over one long cached document
+  sliding          4. generation past the model's seq_len in a sliding window with sinks
+  generate         plain generation from --prompt or --tokens
+  help             this text
+
+model:
+  --model PATH          llama2.c checkpoint (legacy version-0 .bin)
+  --synthetic SPEC      embedded synthetic model (default {spec}); items <n>L <n>d <n>h,
+                        optional <n>kv <n>ff <n>v <n>ctx tied, e.g. 8L-1024d-16h-4kv
+  --seed N              seed of the synthetic weights (default 1)
+  --tokenizer PATH      llama2.c tokenizer (default: {tok} when it exists
+                        and its vocabulary matches the model)
+  --no-tokenizer        prompts and output as token ids
+
+running:
+  --cache KIND          dynamic | static | sliding (default per scenario: chat dynamic,
+                        system-prompt static, rag dynamic, generate dynamic)
+  --threads N           threads for GEMMs and attention (default: all hardware threads)
+  --chunk N             prefill chunk: tokens per batched forward pass (default 256)
+  --window N --sinks N  sliding window and attention sinks (default 256 and 4)
+  --temperature T       0 = greedy (default); > 0 samples
+  --top-p P             nucleus sampling threshold (default 0.9 when sampling)
+  --sample-seed N       sampler seed (default 0)
+  --verbose             demo: also print each scenario's own table
+
+generate:
+  --prompt TEXT         text prompt (needs a tokenizer)
+  --tokens 1,403,407    prompt as token ids (BOS included if you want it)
+  --steps N             tokens to generate, stopping early at BOS as run.c (default 256)
+
+scenario sizes:
+  chat:           --turns N (6) --user-tokens N (48) --reply-tokens N (6)
+  system-prompt:  --requests N (4) --system-tokens N (384) --suffix-tokens N (32)
+  rag:            --questions N (3) --doc-tokens N (1024) --suffix-tokens N (24)
+  sliding:        --prompt-tokens N (64) --generate-tokens N (3 x seq_len) --checkpoints N (6)
+  all:            --reply-tokens N
+)";
+
+struct Options {
+  std::string command = "demo";
+  std::optional<std::string> model_path;
+  std::string spec = std::string(kDefaultSpec);
+  std::uint64_t seed = 1;
+  std::optional<std::string> tokenizer_path;
+  bool no_tokenizer = false;
+  std::optional<llama::CacheKind> cache;
+  std::size_t threads = std::max(1u, std::thread::hardware_concurrency());
+  std::size_t chunk = 256;
+  std::size_t window = 256, sinks = 4;
+  llama::SamplerConfig sampler{};
+  bool top_p_given = false;
+  std::optional<std::string> prompt;
+  std::optional<std::vector<token_id>> tokens;
+  std::size_t steps = 256;
+  bool verbose = false;
+  std::optional<std::size_t> turns, user_tokens, reply_tokens, requests, system_tokens,
+      suffix_tokens, questions, doc_tokens, prompt_tokens, generate_tokens, checkpoints;
+};
+
+std::size_t parse_count(std::string_view flag, std::string_view v, std::size_t lo = 1) {
+  std::size_t n = 0;
+  bool ok = !v.empty() && v.size() <= 9;
+  for (char c : v) {
+    ok = ok && c >= '0' && c <= '9';
+    n = n * 10 + static_cast<std::size_t>(c - '0');
+  }
+  if (!ok || n < lo) {
+    throw usage_error(fmt::format("{} {}: expected an integer >= {}", flag, v, lo));
+  }
+  return n;
+}
+
+float parse_float(std::string_view flag, const std::string& v) {
+  char* end = nullptr;
+  const float f = std::strtof(v.c_str(), &end);
+  if (v.empty() || end != v.c_str() + v.size()) {
+    throw usage_error(fmt::format("{} {}: expected a number", flag, v));
+  }
+  return f;
+}
+
+std::vector<token_id> parse_tokens(const std::string& v) {
+  std::vector<token_id> ids;
+  std::size_t start = 0;
+  while (start <= v.size()) {
+    const std::size_t comma = std::min(v.find(',', start), v.size());
+    ids.push_back(static_cast<token_id>(
+        parse_count("--tokens", std::string_view(v).substr(start, comma - start), 0)));
+    start = comma + 1;
+  }
+  return ids;
+}
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  int i = 1;
+  if (i < argc && argv[i][0] != '-') o.command = argv[i++];
+  auto value = [&](std::string_view flag) -> std::string {
+    if (i + 1 >= argc) throw usage_error(fmt::format("{} needs a value", flag));
+    return argv[++i];
+  };
+  for (; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "--model") {
+      o.model_path = value(a);
+    } else if (a == "--synthetic") {
+      o.spec = value(a);
+    } else if (a == "--seed") {
+      o.seed = parse_count(a, value(a), 0);
+    } else if (a == "--tokenizer") {
+      o.tokenizer_path = value(a);
+    } else if (a == "--no-tokenizer") {
+      o.no_tokenizer = true;
+    } else if (a == "--cache") {
+      o.cache = llama::parse_cache_kind(value(a));
+    } else if (a == "--threads") {
+      o.threads = parse_count(a, value(a));
+    } else if (a == "--chunk") {
+      o.chunk = parse_count(a, value(a));
+    } else if (a == "--window") {
+      o.window = parse_count(a, value(a));
+    } else if (a == "--sinks") {
+      o.sinks = parse_count(a, value(a), 0);
+    } else if (a == "--temperature") {
+      o.sampler.temperature = parse_float(a, value(a));
+    } else if (a == "--top-p") {
+      o.sampler.top_p = parse_float(a, value(a));
+      o.top_p_given = true;
+    } else if (a == "--sample-seed") {
+      o.sampler.seed = parse_count(a, value(a), 0);
+    } else if (a == "--prompt") {
+      o.prompt = value(a);
+    } else if (a == "--tokens") {
+      o.tokens = parse_tokens(value(a));
+    } else if (a == "--steps") {
+      o.steps = parse_count(a, value(a));
+    } else if (a == "--turns") {
+      o.turns = parse_count(a, value(a));
+    } else if (a == "--user-tokens") {
+      o.user_tokens = parse_count(a, value(a));
+    } else if (a == "--reply-tokens") {
+      o.reply_tokens = parse_count(a, value(a));
+    } else if (a == "--requests") {
+      o.requests = parse_count(a, value(a));
+    } else if (a == "--system-tokens") {
+      o.system_tokens = parse_count(a, value(a));
+    } else if (a == "--suffix-tokens") {
+      o.suffix_tokens = parse_count(a, value(a));
+    } else if (a == "--questions") {
+      o.questions = parse_count(a, value(a));
+    } else if (a == "--doc-tokens") {
+      o.doc_tokens = parse_count(a, value(a));
+    } else if (a == "--prompt-tokens") {
+      o.prompt_tokens = parse_count(a, value(a));
+    } else if (a == "--generate-tokens") {
+      o.generate_tokens = parse_count(a, value(a));
+    } else if (a == "--checkpoints") {
+      o.checkpoints = parse_count(a, value(a));
+    } else if (a == "--verbose" || a == "-v") {
+      o.verbose = true;
+    } else if (a == "--help" || a == "-h") {
+      o.command = "help";
+    } else {
+      throw usage_error(fmt::format("unknown option {} (see kvcache_demo help)", a));
+    }
+  }
+  if (o.sampler.temperature > 0 && !o.top_p_given) o.sampler.top_p = 0.9f;
+  return o;
+}
+
+/// A status line on stderr, rewritten in place on a terminal.
+class ProgressLine {
+ public:
+  ProgressLine() {
+#ifdef KVCACHE_DEMO_HAS_ISATTY
+    tty_ = isatty(2) != 0;
+#endif
+  }
+  void show(const std::string& stage, const std::string& what) {
+    if (tty_) {
+      fmt::print(stderr, "\r\033[K  {} {}", stage, what);
+    } else {
+      fmt::print(stderr, "  {} {}\n", stage, what);
+    }
+    std::fflush(stderr);
+  }
+  void clear() {
+    if (tty_) fmt::print(stderr, "\r\033[K");
+    std::fflush(stderr);
+  }
+  llama::Progress for_stage(std::string stage) {
+    return [this, stage](const std::string& what) { show(stage, what); };
+  }
+
+ private:
+  bool tty_ = false;
+};
+
+std::string ms(double s) { return fmt::format("{:.1f} ms", s * 1e3); }
+std::string tps(double t) { return t > 0 ? fmt::format("{:.1f}", t) : std::string("-"); }
+std::string mib(std::size_t b) {
+  return fmt::format("{:.2f} MiB", static_cast<double>(b) / 1048576.0);
+}
+
+double mean(const std::vector<llama::RequestRow>& rows, double llama::RequestRow::*field) {
+  double s = 0;
+  for (const auto& r : rows) s += r.*field;
+  return rows.empty() ? 0 : s / static_cast<double>(rows.size());
+}
+
+struct Context {
+  Options opt;
+  std::unique_ptr<kvcache::ThreadPool> pool;
+  std::unique_ptr<llama::Model> model;
+  std::optional<llama::Tokenizer> tokenizer;
+  std::unique_ptr<llama::Engine> engine;
+  std::string model_name;
+  ProgressLine progress;
+
+  [[nodiscard]] const llama::Tokenizer* tok() const { return tokenizer ? &*tokenizer : nullptr; }
+  [[nodiscard]] llama::CacheParams cache_params() const {
+    return {.window = opt.window,
+            .num_sink_tokens = opt.sinks,
+            .max_append_len = std::min<std::size_t>(opt.chunk, 64)};
+  }
+  [[nodiscard]] std::string show(std::span<const token_id> ids, std::size_t max_ids = 24) const {
+    if (tokenizer) {
+      std::string s = llama::Tokenizer::printable(tokenizer->decode(ids, -1));
+      for (char& c : s) c = c == '\n' ? ' ' : c;
+      return "\"" + s + "\"";
+    }
+    std::string s;
+    for (std::size_t i = 0; i < ids.size() && i < max_ids; ++i) {
+      s += (i ? "," : "") + std::to_string(ids[i]);
+    }
+    return ids.size() > max_ids ? s + ",..." : s;
+  }
+};
+
+void load(Context& ctx) {
+  Options& o = ctx.opt;
+  ctx.pool = std::make_unique<kvcache::ThreadPool>(o.threads);
+  const double t0 = llama::now_s();
+  if (o.model_path) {
+    ctx.progress.show("loading", *o.model_path);
+    const llama::Checkpoint ckpt = llama::load_llama2c(*o.model_path);
+    ctx.model = std::make_unique<llama::Model>(llama::Model::from_checkpoint(ckpt, ctx.pool.get()));
+    ctx.model_name = std::filesystem::path(*o.model_path).filename().string();
+  } else {
+    const llama::ModelConfig config = llama::parse_synthetic_spec(o.spec);
+    ctx.progress.show("building", "synthetic model " + llama::synthetic_spec(config));
+    ctx.model =
+        std::make_unique<llama::Model>(llama::Model::synthetic(config, o.seed, ctx.pool.get()));
+    ctx.model_name =
+        "synthetic " + llama::synthetic_spec(config) + " (seed " + std::to_string(o.seed) + ")";
+  }
+  const double load_s = llama::now_s() - t0;
+  ctx.progress.clear();
+  const auto& c = ctx.model->config();
+  if (!o.no_tokenizer) {
+    const std::filesystem::path path =
+        o.tokenizer_path
+            ? std::filesystem::path(*o.tokenizer_path)
+            : std::filesystem::path(KVCACHE_SHARED_DIR) / "models/stories260K/tok512.bin";
+    std::error_code ec;
+    if (o.tokenizer_path || std::filesystem::exists(path, ec)) {
+      auto tok = llama::Tokenizer::load(path);
+      if (tok.vocab_size() == c.vocab_size) {
+        ctx.tokenizer = std::move(tok);
+      } else if (o.tokenizer_path) {
+        throw usage_error(fmt::format("--tokenizer {}: {} tokens but the model has vocab_size {}",
+                                      path.string(), tok.vocab_size(), c.vocab_size));
+      }
+    }
+  }
+  ctx.engine = std::make_unique<llama::Engine>(*ctx.model, ctx.pool.get(), o.chunk);
+  fmt::print("model      {}\n", ctx.model_name);
+  fmt::print(
+      "           dim {}, hidden {}, {} layers, {} heads / {} KV heads (head_dim {}), "
+      "vocab {}, seq_len {}, {:.1f} MiB of weights, ready in {:.2f} s\n",
+      c.dim, c.hidden_dim, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim(), c.vocab_size,
+      c.seq_len, static_cast<double>(ctx.model->weight_bytes()) / 1048576.0, load_s);
+  fmt::print("tokens     {}\n", ctx.tokenizer ? "text (llama2.c tokenizer, " +
+                                                    std::to_string(c.vocab_size) + " tokens)"
+                                              : std::string("token ids (no matching tokenizer)"));
+  fmt::print("threads    {}, prefill chunk {}, {} sampling\n\n", o.threads, o.chunk,
+             o.sampler.temperature == 0
+                 ? std::string("greedy")
+                 : fmt::format("temperature {} top-p {} seed {}", o.sampler.temperature,
+                               o.sampler.top_p, o.sampler.seed));
+}
+
+// ------------------------------------------------------------------------------------------
+// Scenario runners: each returns its row of the summary table (plus a few lines of notes) and,
+// when `details` is set, first prints its own table.
+
+struct SummaryRow {
+  std::string scenario, cache;
+  double ttft_cached = 0, ttft_uncached = 0, decode_cached = 0, decode_uncached = 0;
+  std::string check;
+  bool ok = true;
+  std::vector<std::string> notes = {};
+};
+
+std::string series_ms(const std::vector<llama::RequestRow>& rows,
+                      double llama::RequestRow::*field) {
+  std::string s;
+  for (const auto& r : rows) s += fmt::format("{:>7.1f}", r.*field * 1e3);
+  return s;
+}
+
+void print_requests(const Context& ctx, const char* label, const llama::RequestsResult& r) {
+  fmt::print("{:>4} {:>8} {:>9} {:>11} {:>13} {:>9} {:>12} {:>11}  {}\n", label, "prompt",
+             "computed", "TTFT cached", "TTFT uncached", "speedup", "tok/s cached", "uncached",
+             "same tokens");
+  for (std::size_t i = 0; i < r.rows.size(); ++i) {
+    const auto& row = r.rows[i];
+    fmt::print("{:>4} {:>8} {:>9} {:>11} {:>13} {:>8.1f}x {:>12} {:>11}  {}\n", i + 1,
+               row.prompt_tokens, row.cached_computed, ms(row.ttft_cached_s),
+               ms(row.ttft_uncached_s), row.ttft_uncached_s / row.ttft_cached_s,
+               tps(row.decode_cached_tps), tps(row.decode_uncached_tps),
+               row.identical ? "yes" : "NO");
+  }
+  fmt::print("     first reply: {}\n", ctx.show(r.rows.front().reply));
+  fmt::print("     cache memory after the last request: {}\n\n", mib(r.rows.back().cache_bytes));
+}
+
+template <class Rows, class Pred>
+std::size_t count(const Rows& rows, Pred pred) {
+  return static_cast<std::size_t>(std::count_if(rows.begin(), rows.end(), pred));
+}
+
+SummaryRow chat(Context& ctx, const std::string& stage, bool details) {
+  const Options& o = ctx.opt;
+  const llama::ChatOptions co{.turns = o.turns.value_or(6),
+                              .user_tokens = o.user_tokens.value_or(48),
+                              .reply_tokens = o.reply_tokens.value_or(6),
+                              .cache = o.cache.value_or(llama::CacheKind::dynamic),
+                              .params = ctx.cache_params(),
+                              .sampler = o.sampler};
+  llama::PromptSource source(ctx.tok(), ctx.model->config().vocab_size, 11);
+  const auto r = llama::run_chat(*ctx.engine, source, co, ctx.progress.for_stage(stage));
+  ctx.progress.clear();
+  if (details) {
+    fmt::print("1. multi-turn chat: {} turns of {} user + {} reply tokens, {} cache\n", co.turns,
+               co.user_tokens, co.reply_tokens, r.cache);
+    fmt::print(
+        "   cached: each turn runs only its new tokens; uncached: the whole history again\n");
+    print_requests(ctx, "turn", r);
+  }
+  const auto& last = r.rows.back();
+  return {
+      .scenario = fmt::format("1 chat, turn {} of {}", r.rows.size(), r.rows.size()),
+      .cache = r.cache,
+      .ttft_cached = last.ttft_cached_s,
+      .ttft_uncached = last.ttft_uncached_s,
+      .decode_cached = last.decode_cached_tps,
+      .decode_uncached = last.decode_uncached_tps,
+      .check = fmt::format("{} of {} turns: same tokens",
+                           count(r.rows, [](const auto& x) { return x.identical; }), r.rows.size()),
+      .ok = r.all_identical(),
+      .notes = {fmt::format("chat TTFT per turn, cached   (ms):{}",
+                            series_ms(r.rows, &llama::RequestRow::ttft_cached_s)),
+                fmt::format("chat TTFT per turn, uncached (ms):{}",
+                            series_ms(r.rows, &llama::RequestRow::ttft_uncached_s))}};
+}
+
+std::string prefix_note(const char* what, const llama::RequestsResult& r, std::size_t suffix) {
+  const bool reused = std::all_of(r.rows.begin(), r.rows.end(),
+                                  [&](const auto& row) { return row.cached_computed == suffix; });
+  return reused ? fmt::format(
+                      "{} of {} tokens prefilled once ({}), never recomputed: each request "
+                      "ran only its {} new tokens",
+                      what, r.prefix_tokens, ms(r.prefix_s), suffix)
+                : fmt::format(
+                      "{} of {} tokens prefilled once ({}); the cache could not keep it "
+                      "for every request (see the computed column)",
+                      what, r.prefix_tokens, ms(r.prefix_s));
+}
+
+SummaryRow shared_prefix(Context& ctx, const std::string& stage, bool rag, bool details) {
+  const Options& o = ctx.opt;
+  const llama::SharedPrefixOptions so{
+      .prefix_tokens = rag ? o.doc_tokens.value_or(1024) : o.system_tokens.value_or(384),
+      .requests = rag ? o.questions.value_or(3) : o.requests.value_or(4),
+      .suffix_tokens = o.suffix_tokens.value_or(rag ? 24 : 32),
+      .reply_tokens = o.reply_tokens.value_or(6),
+      .cache = o.cache.value_or(rag ? llama::CacheKind::dynamic : llama::CacheKind::static_cache),
+      .params = ctx.cache_params(),
+      .sampler = o.sampler};
+  llama::PromptSource source(ctx.tok(), ctx.model->config().vocab_size, rag ? 33 : 22);
+  const auto r = llama::run_shared_prefix(*ctx.engine, source, so, ctx.progress.for_stage(stage));
+  ctx.progress.clear();
+  const char* what = rag ? "answers" : "requests";
+  if (details) {
+    if (rag) {
+      fmt::print(
+          "3. long-document RAG: a {}-token document cached once, {} questions of {} "
+          "tokens, {} cache\n",
+          r.prefix_tokens, so.requests, so.suffix_tokens, r.cache);
+      fmt::print("   every answer checked against a from-scratch run of document + question\n");
+    } else {
+      fmt::print(
+          "2. fixed system prompt: {} tokens cached once, {} requests of {} user tokens, "
+          "{} cache\n",
+          r.prefix_tokens, so.requests, so.suffix_tokens, r.cache);
+      fmt::print(
+          "   each request starts from the system prompt's K/V (the previous request is "
+          "cropped away)\n");
+    }
+    print_requests(ctx, rag ? "q" : "req", r);
+  }
+  return {.scenario = rag ? "3 RAG, mean per question" : "2 system prompt, mean/request",
+          .cache = r.cache,
+          .ttft_cached = mean(r.rows, &llama::RequestRow::ttft_cached_s),
+          .ttft_uncached = mean(r.rows, &llama::RequestRow::ttft_uncached_s),
+          .decode_cached = mean(r.rows, &llama::RequestRow::decode_cached_tps),
+          .decode_uncached = mean(r.rows, &llama::RequestRow::decode_uncached_tps),
+          .check = fmt::format("{} of {} {} = from scratch",
+                               count(r.rows, [](const auto& x) { return x.identical; }),
+                               r.rows.size(), what),
+          .ok = r.all_identical(),
+          .notes = {prefix_note(rag ? "document" : "system prompt", r, so.suffix_tokens)}};
+}
+
+SummaryRow sliding(Context& ctx, const std::string& stage, bool details) {
+  const Options& o = ctx.opt;
+  if (o.cache && *o.cache != llama::CacheKind::sliding) {
+    throw usage_error("the sliding scenario runs on --cache sliding only");
+  }
+  const auto& c = ctx.model->config();
+  const llama::SlidingOptions so{.prompt_tokens = o.prompt_tokens.value_or(64),
+                                 .generate_tokens = o.generate_tokens.value_or(3 * c.seq_len),
+                                 .window = o.window,
+                                 .num_sink_tokens = o.sinks,
+                                 .max_append_len = std::min<std::size_t>(o.chunk, 64),
+                                 .checkpoints = o.checkpoints.value_or(6),
+                                 .sampler = o.sampler};
+  llama::PromptSource source(ctx.tok(), c.vocab_size, 44);
+  const auto r = llama::run_sliding(*ctx.engine, source, so, ctx.progress.for_stage(stage));
+  ctx.progress.clear();
+  if (details) {
+    fmt::print(
+        "4. sliding window: {} tokens generated after a {}-token prompt, model seq_len "
+        "{}, window {} + {} sinks\n",
+        r.generated, so.prompt_tokens, r.seq_len, r.window, r.num_sink_tokens);
+    fmt::print("   TTFT cached {}, uncached {}; decode {} tok/s cached\n", ms(r.ttft_cached_s),
+               ms(r.ttft_uncached_s), tps(r.decode_cached_tps));
+    fmt::print("{:>9} {:>14} {:>16} {:>15} {:>15}  {}\n", "position", "cache memory",
+               "full KV would be", "uncached step", "uncached tok/s", "same next token");
+    for (const auto& p : r.points) {
+      fmt::print("{:>9} {:>14} {:>16} {:>15} {:>15}  {} (max |logit diff| {:.2g})\n", p.length,
+                 mib(p.memory_bytes), mib(p.full_cache_bytes), ms(p.uncached_step_s),
+                 tps(1.0 / p.uncached_step_s), p.argmax_match ? "yes" : "NO", p.max_logit_diff);
+    }
+    fmt::print("\n");
+  }
+  const auto& first = r.points.front();
+  const auto& last = r.points.back();
+  std::string positions, full;
+  for (const auto& p : r.points) {
+    positions += fmt::format(" {}", p.length);
+    full += fmt::format(" {:.1f}", static_cast<double>(p.full_cache_bytes) / 1048576.0);
+  }
+  const bool flat = std::all_of(r.points.begin(), r.points.end(), [&](const auto& p) {
+    return p.memory_bytes == first.memory_bytes;
+  });
+  return {
+      .scenario = fmt::format("4 sliding, to position {}", last.length),
+      .cache = "sliding",
+      .ttft_cached = r.ttft_cached_s,
+      .ttft_uncached = r.ttft_uncached_s,
+      .decode_cached = r.decode_cached_tps,
+      .decode_uncached = 1.0 / last.uncached_step_s,
+      .check = fmt::format("{} of {} checkpoints: same next token",
+                           count(r.points, [](const auto& p) { return p.argmax_match; }),
+                           r.points.size()),
+      .ok = r.all_match() && flat,
+      .notes = {fmt::format("sliding: window {} + {} sinks, model seq_len {}; at positions{}",
+                            r.window, r.num_sink_tokens, r.seq_len, positions),
+                fmt::format("  cache memory_bytes {} at every one ({}); a full cache would "
+                            "hold{} MiB",
+                            mib(first.memory_bytes), flat ? "constant" : "NOT constant", full)}};
+}
+
+void print_summary(const std::vector<SummaryRow>& rows) {
+  fmt::print("{:<30} {:<8} {:>11} {:>13} {:>8} {:>12} {:>10}  {}\n", "scenario", "cache",
+             "TTFT cached", "TTFT uncached", "speedup", "tok/s cached", "uncached", "check");
+  fmt::print("{}\n", std::string(128, '-'));
+  for (const auto& r : rows) {
+    fmt::print("{:<30} {:<8} {:>11} {:>13} {:>7.1f}x {:>12} {:>10}  {}{}\n", r.scenario, r.cache,
+               ms(r.ttft_cached), ms(r.ttft_uncached), r.ttft_uncached / r.ttft_cached,
+               tps(r.decode_cached), tps(r.decode_uncached), r.ok ? "" : "FAILED: ", r.check);
+  }
+  fmt::print("\n");
+  for (const auto& r : rows) {
+    for (const auto& n : r.notes) fmt::print("{}\n", n);
+  }
+  fmt::print(
+      "\nuncached = no KV cache: the prompt (or the whole chat history) is prefilled from "
+      "scratch, and every decoded\ntoken runs the model over the whole sequence again. "
+      "speedup = TTFT uncached / TTFT cached; tok/s = decode.\n");
+}
+
+int generate(Context& ctx) {
+  const Options& o = ctx.opt;
+  std::vector<token_id> prompt;
+  if (o.tokens) {
+    prompt = *o.tokens;
+  } else if (o.prompt) {
+    if (!ctx.tokenizer) {
+      throw usage_error("--prompt needs a tokenizer matching the model; give --tokens instead");
+    }
+    prompt = ctx.tokenizer->encode(*o.prompt, true, false);
+  } else {
+    prompt = {llama::kBos};
+  }
+  const auto kind = o.cache.value_or(llama::CacheKind::dynamic);
+  llama::CacheParams params = ctx.cache_params();
+  params.max_seq_len = prompt.size() + o.steps;
+  llama::Sampler sampler(o.sampler);
+  const token_id stop[] = {llama::kBos};
+  const auto g = llama::with_cache(kind, *ctx.model, params, [&](auto& raw) {
+    kvcache::TokenTrackedCache tracked(std::move(raw));
+    return llama::generate(*ctx.engine, tracked, 0, prompt,
+                           {.max_new = o.steps, .stop = std::span<const token_id>(stop)}, sampler);
+  });
+  if (ctx.tokenizer) {
+    std::string text;
+    token_id prev = prompt.back();
+    if (o.prompt) text = *o.prompt;
+    for (token_id t : g.tokens) {
+      text += ctx.tokenizer->decode(prev, t);
+      prev = t;
+    }
+    fmt::print("{}\n", llama::Tokenizer::printable(text));
+  } else {
+    std::string ids;
+    for (token_id t : g.tokens) ids += (ids.empty() ? "" : ",") + std::to_string(t);
+    fmt::print("{}\n", ids);
+  }
+  fmt::print(stderr, "\n{} prompt tokens, {} generated ({} cache): TTFT {}, decode {} tok/s\n",
+             prompt.size(), g.tokens.size(), llama::cache_kind_name(kind), ms(g.ttft_s),
+             tps(g.decode_tokens_per_s()));
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  Context ctx;
+  ctx.opt = parse_args(argc, argv);
+  const std::string& cmd = ctx.opt.command;
+  if (cmd == "help") {
+    fmt::print(fmt::runtime(kUsage), fmt::arg("spec", kDefaultSpec),
+               fmt::arg("tok", KVCACHE_SHARED_DIR "/models/stories260K/tok512.bin"));
+    return 0;
+  }
+  if (cmd != "demo" && cmd != "chat" && cmd != "system-prompt" && cmd != "rag" &&
+      cmd != "sliding" && cmd != "generate") {
+    throw usage_error(fmt::format("unknown command {} (see kvcache_demo help)", cmd));
+  }
+  load(ctx);
+  if (cmd == "generate") return generate(ctx);
+  std::vector<SummaryRow> rows;
+  const double t0 = llama::now_s();
+  const bool details = cmd != "demo" || ctx.opt.verbose;
+  if (cmd == "demo") {
+    if (ctx.opt.cache) throw usage_error("demo picks the cache per scenario; drop --cache");
+    fmt::print(stderr,
+               "running the four scenarios, each cached and uncached and checked token "
+               "for token...\n");
+    rows.push_back(chat(ctx, "[1/4 chat]", details));
+    rows.push_back(shared_prefix(ctx, "[2/4 system prompt]", false, details));
+    rows.push_back(shared_prefix(ctx, "[3/4 RAG]", true, details));
+    rows.push_back(sliding(ctx, "[4/4 sliding window]", details));
+  } else if (cmd == "chat") {
+    rows.push_back(chat(ctx, "[chat]", details));
+  } else if (cmd == "system-prompt") {
+    rows.push_back(shared_prefix(ctx, "[system prompt]", false, details));
+  } else if (cmd == "rag") {
+    rows.push_back(shared_prefix(ctx, "[RAG]", true, details));
+  } else {
+    rows.push_back(sliding(ctx, "[sliding window]", details));
+  }
+  print_summary(rows);
+  fmt::print("total {:.1f} s\n", llama::now_s() - t0);
+  return std::all_of(rows.begin(), rows.end(), [](const SummaryRow& r) { return r.ok; }) ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const usage_error& e) {
+    fmt::print(stderr, "kvcache_demo: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "kvcache_demo: error: {}\n", e.what());
+    return 1;
+  }
+}

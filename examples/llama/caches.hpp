@@ -1,0 +1,136 @@
+// SPDX-License-Identifier: Apache-2.0
+// What the engine asks of a cache policy beyond CacheConcept (its attention window and append
+// limit, read from the policy when it has them), and the runtime choice of policy (--cache):
+// a CacheKind and with_cache(), which builds the cache and hands it to a generic lambda.
+#pragma once
+
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <string_view>
+
+#include "kvcache/core/cache_concept.hpp"
+#include "kvcache/policy/dynamic_cache.hpp"
+#include "kvcache/policy/sliding_window_cache.hpp"
+#include "kvcache/policy/static_cache.hpp"
+#include "llama/model.hpp"
+
+namespace llama {
+
+/// The attention mask a cache's contents call for: a sliding window of `window` positions plus
+/// `num_sink_tokens` sinks, or window 0 for full causal attention.
+struct AttentionWindow {
+  std::size_t window = 0;
+  std::size_t num_sink_tokens = 0;
+  friend constexpr bool operator==(const AttentionWindow&, const AttentionWindow&) = default;
+};
+
+/// The window of a policy that has one (window() and num_sink_tokens(), as SlidingWindowCache),
+/// looking through wrappers that expose cache() (TokenTrackedCache); {} otherwise.
+template <class C>
+[[nodiscard]] AttentionWindow attention_window(const C& c) noexcept {
+  if constexpr (requires {
+                  { c.window() } -> std::convertible_to<std::size_t>;
+                  { c.num_sink_tokens() } -> std::convertible_to<std::size_t>;
+                }) {
+    return {c.window(), c.num_sink_tokens()};
+  } else if constexpr (requires { c.cache(); }) {
+    return attention_window(c.cache());
+  } else {
+    return {};
+  }
+}
+
+/// The most tokens one append may carry (max_append_len() where the policy has it), looking
+/// through wrappers; SIZE_MAX otherwise.
+template <class C>
+[[nodiscard]] std::size_t max_append_len(const C& c) noexcept {
+  if constexpr (requires {
+                  { c.max_append_len() } -> std::convertible_to<std::size_t>;
+                }) {
+    return c.max_append_len();
+  } else if constexpr (requires { c.cache(); }) {
+    return max_append_len(c.cache());
+  } else {
+    return std::numeric_limits<std::size_t>::max();
+  }
+}
+
+/// The cache policies selectable at run time. Adding one: an enumerator, its name in
+/// cache_kind_name(), and a branch in with_cache().
+enum class CacheKind { dynamic, static_cache, sliding };
+
+[[nodiscard]] constexpr std::string_view cache_kind_name(CacheKind k) noexcept {
+  switch (k) {
+    case CacheKind::dynamic:
+      return "dynamic";
+    case CacheKind::static_cache:
+      return "static";
+    case CacheKind::sliding:
+      return "sliding";
+  }
+  return "?";
+}
+
+/// @throws usage_error listing the supported names.
+[[nodiscard]] inline CacheKind parse_cache_kind(std::string_view name) {
+  for (CacheKind k : {CacheKind::dynamic, CacheKind::static_cache, CacheKind::sliding}) {
+    if (name == cache_kind_name(k)) return k;
+  }
+  throw usage_error("--cache " + std::string(name) +
+                    ": unknown cache policy; supported: dynamic, static, sliding");
+}
+
+/// What with_cache() needs to size a cache; each policy reads the fields it uses.
+struct CacheParams {
+  std::size_t max_batch = 1;
+  /// static: slots per sequence; dynamic: limit (0 = unbounded).
+  std::size_t max_seq_len = 0;
+  /// dynamic: tokens per allocated chunk.
+  std::size_t chunk_len = 256;
+  /// sliding: attention window and sinks.
+  std::size_t window = 256;
+  std::size_t num_sink_tokens = 4;
+  /// sliding: the longest single append (the engine's prefill chunk is capped to it).
+  std::size_t max_append_len = 64;
+};
+
+/// Builds a cache of policy `kind` (float elements) shaped for `model` and returns f(cache).
+/// Every branch instantiates f for its policy type, so f must be generic (auto&) and return the
+/// same type for each. @throws what the policy's constructor throws (shape_error, bad_alloc).
+template <class F>
+decltype(auto) with_cache(CacheKind kind, const Model& model, const CacheParams& p, F&& f) {
+  const ModelConfig& c = model.config();
+  switch (kind) {
+    case CacheKind::static_cache: {
+      kvcache::StaticCache<float> cache({.num_layers = c.num_layers,
+                                         .num_kv_heads = c.num_kv_heads,
+                                         .head_dim = c.head_dim(),
+                                         .max_batch = p.max_batch,
+                                         .max_seq_len = p.max_seq_len});
+      return f(cache);
+    }
+    case CacheKind::sliding: {
+      kvcache::SlidingWindowCache<float> cache({.num_layers = c.num_layers,
+                                                .num_kv_heads = c.num_kv_heads,
+                                                .head_dim = c.head_dim(),
+                                                .max_batch = p.max_batch,
+                                                .window = p.window,
+                                                .num_sink_tokens = p.num_sink_tokens,
+                                                .max_append_len = p.max_append_len});
+      return f(cache);
+    }
+    case CacheKind::dynamic:
+    default: {
+      kvcache::DynamicCache<float> cache({.num_layers = c.num_layers,
+                                          .num_kv_heads = c.num_kv_heads,
+                                          .head_dim = c.head_dim(),
+                                          .max_batch = p.max_batch,
+                                          .max_seq_len = p.max_seq_len,
+                                          .chunk_len = p.chunk_len});
+      return f(cache);
+    }
+  }
+}
+
+}  // namespace llama

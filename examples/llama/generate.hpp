@@ -1,0 +1,109 @@
+// SPDX-License-Identifier: Apache-2.0
+// Timed generation loops over the Engine: with a KV cache (a TokenTrackedCache sequence that
+// reuses whatever prefix of the prompt it already holds) and without one (every token from a
+// full forward pass over the whole sequence). Both report TTFT and decode time.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "kvcache/core/cache_concept.hpp"
+#include "kvcache/policy/token_tracked_cache.hpp"
+#include "llama/forward.hpp"
+#include "llama/sampler.hpp"
+
+namespace llama {
+
+/// Seconds on a monotonic clock.
+[[nodiscard]] inline double now_s() noexcept {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+/// What one request produced, and how long it took.
+struct Generation {
+  std::vector<token_id> tokens;     ///< generated tokens (a stop token is not included)
+  std::size_t prompt_tokens = 0;    ///< tokens in the prompt
+  std::size_t prompt_computed = 0;  ///< prompt tokens run through the model (the rest reused)
+  double ttft_s = 0.0;              ///< prompt processing up to the first token sampled
+  double decode_s = 0.0;            ///< every later token
+  std::vector<float> first_logits;  ///< logits the first token was sampled from
+
+  /// Tokens per second after the first (0 when there were none).
+  [[nodiscard]] double decode_tokens_per_s() const noexcept {
+    return tokens.size() > 1 && decode_s > 0 ? static_cast<double>(tokens.size() - 1) / decode_s
+                                             : 0.0;
+  }
+};
+
+/// Generation limits: at most max_new tokens; stops early (excluding it) at a token of `stop`.
+struct GenerateLimits {
+  std::size_t max_new = 16;
+  std::span<const token_id> stop = {};
+  [[nodiscard]] bool stops(token_id t) const noexcept {
+    return std::find(stop.begin(), stop.end(), t) != stop.end();
+  }
+};
+
+/// Serves `prompt` on sequence `seq` of a token-tracked cache: keeps the longest prefix of the
+/// prompt the sequence already holds (TokenTrackedCache::reuse_prefix: tokens of an earlier
+/// request that the prompt does not start with are dropped first), runs the rest as one
+/// prefill, then decodes one token at a time, committing every token it appends.
+/// @pre !prompt.empty(). @throws as Engine::forward.
+template <kvcache::CacheConcept C>
+Generation generate(Engine& engine, kvcache::TokenTrackedCache<C>& cache, std::size_t seq,
+                    std::span<const token_id> prompt, const GenerateLimits& limits,
+                    Sampler& sampler) {
+  Generation g;
+  g.prompt_tokens = prompt.size();
+  const double t0 = now_s();
+  const std::size_t reused = cache.reuse_prefix(seq, prompt);
+  const auto fresh = prompt.subspan(reused);
+  g.prompt_computed = fresh.size();
+  std::span<const float> logits = engine.forward(cache, seq, fresh);
+  cache.commit(seq, fresh);
+  g.first_logits.assign(logits.begin(), logits.end());
+  token_id next = sampler.sample(logits);
+  g.ttft_s = now_s() - t0;
+  const double t1 = now_s();
+  while (limits.max_new > 0 && !limits.stops(next)) {
+    g.tokens.push_back(next);
+    if (g.tokens.size() == limits.max_new) break;
+    logits = engine.forward(cache, seq, std::span<const token_id>(&g.tokens.back(), 1));
+    cache.commit(seq, std::span<const token_id>(&g.tokens.back(), 1));
+    next = sampler.sample(logits);
+  }
+  g.decode_s = now_s() - t1;
+  return g;
+}
+
+/// The same request without a KV cache: the first token from a forward pass over the prompt,
+/// each later one from a forward pass over prompt + everything generated so far (attending with
+/// `window` where given, so it can stand in for a sliding window cache).
+/// @pre !prompt.empty(). @throws as Engine::forward.
+inline Generation generate_uncached(Engine& engine, std::span<const token_id> prompt,
+                                    const GenerateLimits& limits, Sampler& sampler,
+                                    const AttentionWindow& window = {}) {
+  Generation g;
+  g.prompt_tokens = g.prompt_computed = prompt.size();
+  std::vector<token_id> all(prompt.begin(), prompt.end());
+  const double t0 = now_s();
+  std::span<const float> logits = engine.forward_uncached(all, window);
+  g.first_logits.assign(logits.begin(), logits.end());
+  token_id next = sampler.sample(logits);
+  g.ttft_s = now_s() - t0;
+  const double t1 = now_s();
+  while (limits.max_new > 0 && !limits.stops(next)) {
+    g.tokens.push_back(next);
+    if (g.tokens.size() == limits.max_new) break;
+    all.push_back(next);
+    logits = engine.forward_uncached(all, window);
+    next = sampler.sample(logits);
+  }
+  g.decode_s = now_s() - t1;
+  return g;
+}
+
+}  // namespace llama
