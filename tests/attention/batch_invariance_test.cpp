@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Batch invariance of causal attention without a window: a query's output is the same bits
+// Batch invariance of causal attention (with or without a window and sinks): a query's output is
+// the same bits
 // whether it is attended alone (a decode step) or together with other queries (a prefill chunk),
 // on either kernel, with or without a thread pool. Inference engines rely on it so that a cached
 // run and a from-scratch run of the same tokens agree exactly.
@@ -26,20 +27,27 @@ TEMPLATE_TEST_CASE("a query's attention output does not depend on the queries be
           {.num_layers = 1, .num_kv_heads = kv_heads, .head_dim = dim, .max_seq_len = len});
       cache.append(0, 0, kv.k_block(0, len), kv.v_block(0, len));
       const auto view = cache.view(0, 0);
-      for (std::size_t n : {std::size_t{1}, std::size_t{3}, std::size_t{37}, len}) {
-        const position_t first = static_cast<position_t>(len - n);
-        const auto q = test::normal_floats(rng, n * q_heads * dim);
-        std::vector<float> together(q.size());
-        cpu::attend({q, n, q_heads, dim}, view, {together, n, q_heads, dim},
-                    {.query_pos = first, .pool = &pool}, kernel);
-        for (std::size_t t = 0; t < n; ++t) {
-          const std::size_t row = q_heads * dim;
-          std::vector<float> alone(row);
-          cpu::attend({std::span<const float>(q).subspan(t * row, row), 1, q_heads, dim}, view,
-                      {alone, 1, q_heads, dim}, {.query_pos = first + static_cast<position_t>(t)},
-                      kernel);
-          INFO("query " << t << " of " << n);
-          REQUIRE(std::memcmp(alone.data(), together.data() + t * row, row * sizeof(float)) == 0);
+      for (const AttentionOptions& mask : {AttentionOptions{}, AttentionOptions{.window = 40},
+                                           AttentionOptions{.window = 33, .num_sink_tokens = 3}}) {
+        for (std::size_t n : {std::size_t{1}, std::size_t{3}, std::size_t{37}, len}) {
+          const position_t first = static_cast<position_t>(len - n);
+          const auto q = test::normal_floats(rng, n * q_heads * dim);
+          std::vector<float> together(q.size());
+          AttentionOptions opts = mask;
+          opts.query_pos = first;
+          opts.pool = &pool;
+          cpu::attend({q, n, q_heads, dim}, view, {together, n, q_heads, dim}, opts, kernel);
+          for (std::size_t t = 0; t < n; ++t) {
+            const std::size_t row = q_heads * dim;
+            std::vector<float> alone(row);
+            AttentionOptions one = mask;
+            one.query_pos = first + static_cast<position_t>(t);
+            cpu::attend({std::span<const float>(q).subspan(t * row, row), 1, q_heads, dim}, view,
+                        {alone, 1, q_heads, dim}, one, kernel);
+            INFO("query " << t << " of " << n << ", window " << mask.window << ", sinks "
+                          << mask.num_sink_tokens);
+            REQUIRE(std::memcmp(alone.data(), together.data() + t * row, row * sizeof(float)) == 0);
+          }
         }
       }
     }

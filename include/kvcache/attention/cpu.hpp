@@ -138,7 +138,12 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
     position_t begin = seg.first_pos, end = seg_end;
     if (mask.causal) {
       end = std::min(end, pos_max + 1);
-      if (seg.first_pos >= mask.sinks) begin = std::max(begin, low_min);
+      if (seg.first_pos >= mask.sinks && low_min > begin) {
+        // skip whole tiles below every row's window, staying on the segment's tile grid so a
+        // row's result never depends on which other rows share its call
+        begin +=
+            (low_min - begin) / static_cast<position_t>(kTile) * static_cast<position_t>(kTile);
+      }
     }
     for (position_t t0 = begin; t0 < end; t0 += static_cast<position_t>(kTile)) {
       const std::size_t nk = static_cast<std::size_t>(std::min<position_t>(kTile, end - t0));
