@@ -11,6 +11,7 @@
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/restore.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/thread_pool.hpp"
 #include "kvcache/core/view.hpp"

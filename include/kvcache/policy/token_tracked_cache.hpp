@@ -13,6 +13,7 @@
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/restore.hpp"
 
 namespace kvcache {
 
@@ -117,6 +118,64 @@ class TokenTrackedCache {
   void reset(std::size_t seq) {
     cache_.reset(seq);
     tokens_[seq].clear();
+  }
+
+  /// Snapshot restore hook: restores the listed layers through the wrapped policy's
+  /// restore(entries) and sets the committed ids of each sequence in `tokens`; other sequences
+  /// are untouched. Strong guarantee: the ids are copied before the policy is touched, and the
+  /// policy's restore changes nothing when it throws.
+  /// @pre every sequence named by `entries` appears in `tokens` exactly once.
+  /// @post tokens(t.seq) equals t.ids for each t in `tokens`.
+  /// @throws batch_error, shape_error (a sequence of `entries` without ids, or named twice),
+  ///         position_error (more ids than a layer of the sequence holds after the restore),
+  ///         whatever C::restore throws, std::bad_alloc.
+  void restore(std::span<const LayerRestore<value_type>> entries,
+               std::span<const SequenceTokens> tokens) requires
+      requires(C& c, std::span<const LayerRestore<value_type>> e) {
+    c.restore(e);
+  }
+  {
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      detail::check_seq(kName, tokens[i].seq, tokens_.size());
+      for (std::size_t j = 0; j < i; ++j) {
+        if (tokens[j].seq == tokens[i].seq) {
+          throw shape_error(detail::message(kName, ": restore names the ids of sequence ",
+                                            tokens[i].seq, " twice"));
+        }
+      }
+    }
+    const auto ids_of = [&](std::size_t seq) -> const SequenceTokens* {
+      for (const SequenceTokens& t : tokens) {
+        if (t.seq == seq) return &t;
+      }
+      return nullptr;
+    };
+    for (const auto& e : entries) {
+      if (e.seq < tokens_.size() && ids_of(e.seq) == nullptr) {
+        throw shape_error(
+            detail::message(kName, ": restore of sequence ", e.seq, " without its token ids"));
+      }
+    }
+    for (const SequenceTokens& t : tokens) {
+      for (std::size_t l = 0; l < cache_.shape().num_layers; ++l) {
+        std::size_t length = cache_.layer_length(l, t.seq);
+        for (const auto& e : entries) {
+          if (e.seq == t.seq && e.layer == l && e.length >= 0) {
+            length = static_cast<std::size_t>(e.length);
+          }
+        }
+        if (t.ids.size() > length) {
+          throw position_error(detail::message(kName, ": restore of ", t.ids.size(),
+                                               " token ids into sequence ", t.seq, " but layer ", l,
+                                               " will hold ", length, " tokens"));
+        }
+      }
+    }
+    std::vector<std::vector<token_id>> copies;
+    copies.reserve(tokens.size());
+    for (const SequenceTokens& t : tokens) copies.emplace_back(t.ids.begin(), t.ids.end());
+    cache_.restore(entries);
+    for (std::size_t i = 0; i < tokens.size(); ++i) tokens_[tokens[i].seq].swap(copies[i]);
   }
 
  private:
