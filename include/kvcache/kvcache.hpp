@@ -19,6 +19,8 @@
 #include "kvcache/io/error.hpp"
 #include "kvcache/io/file.hpp"
 #include "kvcache/io/model_id.hpp"
+#include "kvcache/io/snapshot.hpp"
+#include "kvcache/io/snapshot_format.hpp"
 #include "kvcache/io/xxhash64.hpp"
 #include "kvcache/policy/dynamic_cache.hpp"
 #include "kvcache/policy/sliding_window_cache.hpp"
