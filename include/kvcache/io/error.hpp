@@ -17,7 +17,7 @@ namespace kvcache {
 class io_error : public error {
  public:
   io_error(const std::string& what, int code)
-      : error(what + ": " + std::strerror(code)), code_(code) {}
+      : error(detail::message(what, ": ", std::strerror(code))), code_(code) {}
   [[nodiscard]] int code() const noexcept { return code_; }
 
  private:

@@ -51,10 +51,12 @@ class UniqueFd {
     fd_ = -1;
   }
   /// Closes the descriptor, reporting the error close() returns (a delayed write error).
-  /// @throws io_error naming `what`.
-  void close_checked(const std::string& what) {
+  /// @throws io_error naming `path`.
+  void close_checked(const std::filesystem::path& path) {
     const int fd = std::exchange(fd_, -1);
-    if (fd >= 0 && ::close(fd) != 0 && errno != EINTR) throw io_error("close " + what, errno);
+    if (fd >= 0 && ::close(fd) != 0 && errno != EINTR) {
+      throw io_error(detail::message("close '", path.string(), "'"), errno);
+    }
   }
 
  private:
@@ -67,16 +69,16 @@ class UniqueFd {
   do {
     fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   } while (fd < 0 && errno == EINTR);
-  if (fd < 0) throw io_error("open '" + path.string() + "' for reading", errno);
+  if (fd < 0) throw io_error(detail::message("open '", path.string(), "' for reading"), errno);
   return UniqueFd(fd);
 }
 
 /// Size of the open file in bytes. @throws io_error (fstat), format_error for a non-regular file.
 [[nodiscard]] inline std::uint64_t regular_file_size(int fd, const std::filesystem::path& path) {
   struct stat st {};
-  if (::fstat(fd, &st) != 0) throw io_error("fstat '" + path.string() + "'", errno);
+  if (::fstat(fd, &st) != 0) throw io_error(detail::message("fstat '", path.string(), "'"), errno);
   if (!S_ISREG(st.st_mode)) {
-    throw format_error("'" + path.string() + "' is not a regular file");
+    throw format_error(detail::message("'", path.string(), "' is not a regular file"));
   }
   return static_cast<std::uint64_t>(st.st_size);
 }
@@ -91,11 +93,11 @@ inline void read_exact_at(int fd, void* out, std::size_t n, std::uint64_t offset
     const ssize_t got = ::pread(fd, p, chunk, static_cast<off_t>(offset));
     if (got < 0) {
       if (errno == EINTR) continue;
-      throw io_error("read '" + path.string() + "' at offset " + std::to_string(offset), errno);
+      throw io_error(detail::message("read '", path.string(), "' at offset ", offset), errno);
     }
     if (got == 0) {
       throw snapshot_truncated_error(
-          "'" + path.string() + "' ended at offset " + std::to_string(offset) + " while reading",
+          detail::message("'", path.string(), "' ended at offset ", offset, " while reading"),
           offset);
     }
     p += got;
@@ -104,30 +106,30 @@ inline void read_exact_at(int fd, void* out, std::size_t n, std::uint64_t offset
   }
 }
 
-/// Writes all n bytes (retrying short writes and EINTR). @throws io_error naming `what`.
-inline void write_all(int fd, const void* data, std::size_t n, const std::string& what) {
+/// Writes all n bytes (retrying short writes and EINTR). @throws io_error naming `path`.
+inline void write_all(int fd, const void* data, std::size_t n, const std::filesystem::path& path) {
   const auto* p = static_cast<const std::byte*>(data);
   while (n > 0) {
     const std::size_t chunk = std::min<std::size_t>(n, std::size_t{1} << 30);
     const ssize_t put = ::write(fd, p, chunk);
     if (put < 0) {
       if (errno == EINTR) continue;
-      throw io_error("write " + what, errno);
+      throw io_error(detail::message("write '", path.string(), "'"), errno);
     }
     p += put;
     n -= static_cast<std::size_t>(put);
   }
 }
 
-/// Writes all n bytes at `offset`. @throws io_error naming `what`.
+/// Writes all n bytes at `offset`. @throws io_error naming `path`.
 inline void pwrite_all(int fd, const void* data, std::size_t n, std::uint64_t offset,
-                       const std::string& what) {
+                       const std::filesystem::path& path) {
   const auto* p = static_cast<const std::byte*>(data);
   while (n > 0) {
     const ssize_t put = ::pwrite(fd, p, n, static_cast<off_t>(offset));
     if (put < 0) {
       if (errno == EINTR) continue;
-      throw io_error("write " + what, errno);
+      throw io_error(detail::message("write '", path.string(), "' at offset ", offset), errno);
     }
     p += put;
     n -= static_cast<std::size_t>(put);
@@ -135,10 +137,10 @@ inline void pwrite_all(int fd, const void* data, std::size_t n, std::uint64_t of
   }
 }
 
-/// fsync, retried on EINTR. @throws io_error naming `what`.
-inline void fsync_checked(int fd, const std::string& what) {
+/// fsync, retried on EINTR. @throws io_error naming `path`.
+inline void fsync_checked(int fd, const std::filesystem::path& path) {
   while (::fsync(fd) != 0) {
-    if (errno != EINTR) throw io_error("fsync " + what, errno);
+    if (errno != EINTR) throw io_error(detail::message("fsync '", path.string(), "'"), errno);
   }
 }
 
@@ -150,7 +152,7 @@ class MappedFile {
   /// the first pass over the bytes takes no page faults. @throws io_error (mmap).
   MappedFile(int fd, std::size_t size, const std::filesystem::path& path) : size_(size) {
     void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
-    if (p == MAP_FAILED) throw io_error("mmap '" + path.string() + "'", errno);
+    if (p == MAP_FAILED) throw io_error(detail::message("mmap '", path.string(), "'"), errno);
     data_ = static_cast<const std::byte*>(p);
     ::madvise(p, size, MADV_SEQUENTIAL);  // advisory only: its failure changes nothing
   }
@@ -179,7 +181,7 @@ class MappedFile {
 
 /// "<name>.tmp.": the prefix of AtomicFileWriter's temporary files for target `name`.
 [[nodiscard]] inline std::string temp_prefix(const std::filesystem::path& target) {
-  return target.filename().string() + ".tmp.";
+  return detail::message(target.filename().string(), ".tmp.");
 }
 
 /// Parses "<decimal pid>.<decimal counter>" (the tail of a temp file name); 0 if malformed.
@@ -217,7 +219,7 @@ inline std::size_t remove_stale_temp_files(const std::filesystem::path& target) 
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) {
     if (errno == ENOENT) return 0;  // no directory, no temporaries
-    throw io_error("opendir '" + dir.string() + "'", errno);
+    throw io_error(detail::message("opendir '", dir.string(), "'"), errno);
   }
   std::vector<std::string> stale;
   errno = 0;
@@ -252,15 +254,15 @@ class AtomicFileWriter {
     static std::atomic<std::uint64_t> counter{0};
     const std::filesystem::path dir = detail::parent_dir(target_);
     for (;;) {
-      temp_ = dir / (detail::temp_prefix(target_) + std::to_string(::getpid()) + "." +
-                     std::to_string(counter.fetch_add(1)));
+      temp_ = dir /
+              detail::message(detail::temp_prefix(target_), ::getpid(), ".", counter.fetch_add(1));
       const int fd = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
       if (fd >= 0) {
         fd_ = detail::UniqueFd(fd);
         return;
       }
       if (errno != EEXIST && errno != EINTR) {
-        throw io_error("create temporary file '" + temp_.string() + "'", errno);
+        throw io_error(detail::message("create temporary file '", temp_.string(), "'"), errno);
       }
     }
   }
@@ -279,29 +281,29 @@ class AtomicFileWriter {
 
   /// Appends bytes at the current end. @throws io_error.
   void write(std::span<const std::byte> bytes) {
-    detail::write_all(fd_.get(), bytes.data(), bytes.size(), "'" + temp_.string() + "'");
+    detail::write_all(fd_.get(), bytes.data(), bytes.size(), temp_);
   }
   /// Overwrites bytes at `offset` (e.g. a header written last). @throws io_error.
   void write_at(std::span<const std::byte> bytes, std::uint64_t offset) {
-    detail::pwrite_all(fd_.get(), bytes.data(), bytes.size(), offset, "'" + temp_.string() + "'");
+    detail::pwrite_all(fd_.get(), bytes.data(), bytes.size(), offset, temp_);
   }
 
   /// Makes the new contents the target's: fsync (if durable), close, rename over the target,
   /// fsync the directory (if durable). @throws io_error; before the rename the target is
   /// untouched and the temporary is removed by the destructor.
   void commit() {
-    const std::string name = "'" + temp_.string() + "'";
-    if (durable_) detail::fsync_checked(fd_.get(), name);
-    fd_.close_checked(name);
+    if (durable_) detail::fsync_checked(fd_.get(), temp_);
+    fd_.close_checked(temp_);
     if (::rename(temp_.c_str(), target_.c_str()) != 0) {
-      throw io_error("rename " + name + " to '" + target_.string() + "'", errno);
+      throw io_error(detail::message("rename '", temp_.string(), "' to '", target_.string(), "'"),
+                     errno);
     }
     committed_ = true;
     if (durable_) {
       const std::filesystem::path dir = detail::parent_dir(target_);
       detail::UniqueFd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-      if (!dfd) throw io_error("open directory '" + dir.string() + "'", errno);
-      detail::fsync_checked(dfd.get(), "directory '" + dir.string() + "'");
+      if (!dfd) throw io_error(detail::message("open directory '", dir.string(), "'"), errno);
+      detail::fsync_checked(dfd.get(), dir);
     }
   }
 
