@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Every single-byte corruption, every truncation and every extension of valid snapshots is
 // rejected with a snapshot_format_error naming an offset inside the file, and the destination
-// cache is left exactly as it was.
+// cache is left exactly as it was. Behind the checksums: every metadata field set to edge values
+// with the checksums recomputed is refused with a typed error or loads a consistent cache.
 #include <fstream>
 #include <iostream>
 #include <random>
@@ -10,6 +11,7 @@
 #include "kvcache/kvcache.hpp"
 #include "support/cache_helpers.hpp"
 #include "support/catch.hpp"
+#include "support/snapshot_edit.hpp"
 #include "support/snapshot_helpers.hpp"
 
 using namespace kvcache;
@@ -165,4 +167,65 @@ TEST_CASE("damaged snapshot files are rejected through both load methods") {
       REQUIRE(kvcache::test::cache_contents(dest) == before);
     }
   }
+}
+
+TEST_CASE("metadata fields set to edge values, checksums recomputed: typed error or a valid load") {
+  auto rng = kvcache::test::make_rng("corrupt-semantic");
+  auto make = [] {
+    return TokenTrackedCache<SlidingWindowCache<half>>(
+        SlidingWindowCache<half>({.num_layers = 2,
+                                  .num_kv_heads = 1,
+                                  .head_dim = 2,
+                                  .max_batch = 2,
+                                  .window = 3,
+                                  .num_sink_tokens = 1,
+                                  .max_append_len = 2}));
+  };
+  auto source = make();
+  append_random(source, rng, 1, 9, 2);
+  source.commit(1, std::vector<token_id>{1, 2, 3, 4, 5, 6, 7, 8, 9});
+  const std::vector<std::byte> good = snapshot_to_bytes(source, kModel);
+  // the metadata: everything but the K/V elements of the LAYER_KV sections
+  std::vector<bool> is_data(good.size(), false);
+  for (const auto& s : snapshot_format::parse(good, "good").sequences) {
+    for (std::size_t l = 0; l < s.kv_offset.size(); ++l) {
+      const auto& st = s.layers[l];
+      const std::size_t n = 2 * static_cast<std::size_t>(st.held()) * 2 * sizeof(half);
+      for (std::size_t i = 0; i < n; ++i) is_data[s.kv_offset[l] + i] = true;
+    }
+  }
+  std::size_t rejected = 0, loaded = 0;
+  for (std::size_t off = 0; off + 4 <= good.size(); off += 4) {
+    if (is_data[off]) continue;
+    const std::uint32_t v = kvcache::test::get32(good, off);
+    for (std::uint32_t x : {0u, 1u, 2u, 3u, 0x7fffffffu, 0x80000000u, 0xffffffffu, v + 1, v - 1,
+                            v * 2, v ^ 0x10000u}) {
+      if (x == v) continue;
+      std::vector<std::byte> bad = good;
+      kvcache::test::set32(bad, off, x);
+      kvcache::test::fix_checksums(bad);
+      auto dest = make();
+      append_random(dest, rng, 0, 4, 2);
+      const auto before = kvcache::test::cache_contents(dest);
+      INFO("word at offset " << off << " set to " << x << " (was " << v << ")");
+      try {
+        load_snapshot_bytes(bad, dest, kModel);
+      } catch (const kvcache::error&) {
+        REQUIRE(kvcache::test::cache_contents(dest) == before);
+        ++rejected;
+        continue;
+      }
+      ++loaded;  // accepted: the result must be a consistent cache that round-trips
+      for (std::size_t l = 0; l < 2; ++l) {
+        for (std::size_t s = 0; s < 2; ++s) kvcache::test::check_view_invariants(dest.view(l, s));
+      }
+      auto again = make();
+      const auto bytes = snapshot_to_bytes(dest, kModel);
+      load_snapshot_bytes(bytes, again, kModel);
+      REQUIRE(snapshot_to_bytes(again, kModel) == bytes);
+    }
+  }
+  std::cerr << "[semantic] " << rejected << " edited snapshots refused, " << loaded
+            << " loaded consistently (e.g. other token ids)\n";
+  REQUIRE(rejected > 0);
 }

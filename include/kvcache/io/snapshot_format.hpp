@@ -42,7 +42,8 @@ static_assert(std::endian::native == std::endian::little,
 /// Section table, num_sections entries of 32 bytes at offset 64:
 ///     0    4  kind             see SectionKind
 ///     4    4  flags            bit 0 "optional": a reader that does not know `kind` skips the
-///                              section; other bits zero. A required unknown kind is an error.
+///                              section (never set on kinds 1-3); other bits zero. A required
+///                              unknown kind is an error.
 ///     8    8  offset           where the payload starts, a multiple of 64
 ///    16    8  size             payload bytes
 ///    24    4  payload_crc      CRC32C of the payload
@@ -368,6 +369,11 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
     if ((s.flags & ~kFlagOptional) != 0) {
       fail<snapshot_format_error>(name, e + kEntFlags, "section ", i, " has unknown flags ",
                                   detail::hex32(s.flags));
+    }
+    const auto kind = static_cast<std::uint32_t>(s.kind);
+    if ((s.flags & kFlagOptional) != 0 && kind >= 1 && kind <= 3) {
+      fail<snapshot_format_error>(name, e + kEntFlags, "section ", i, " of kind ", kind,
+                                  " is marked optional, but kinds 1-3 are required");
     }
     if (s.offset != expect_offset) {
       fail<snapshot_format_error>(name, e + kEntOffset, "section ", i, " starts at ", s.offset,
