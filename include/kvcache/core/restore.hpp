@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <span>
+#include <vector>
 
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
@@ -49,9 +50,12 @@ namespace detail {
 /// Shared checks of restore(): layer and sequence in range, each (layer, seq) at most once,
 /// 0 <= sink_end <= recent_begin <= length, and K/V spans sized for held() positions.
 /// @throws layer_error, batch_error, position_error, shape_error naming entry `i`.
+/// O(entries + num_layers * max_batch).
 template <Element T>
 void check_restore_entries(const char* cache, std::span<const LayerRestore<T>> entries,
                            const CacheShape& shape, std::size_t max_batch) {
+  std::vector<std::size_t> first_entry;  // [layer][seq] -> index + 1 of the entry naming it
+  if (!entries.empty()) first_entry.assign(shape.num_layers * max_batch, 0);
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const LayerRestore<T>& e = entries[i];
     if (e.layer >= shape.num_layers) {
@@ -67,11 +71,11 @@ void check_restore_entries(const char* cache, std::span<const LayerRestore<T>> e
                                            ": need 0 <= sink_end <= recent_begin <= length, got ",
                                            e.sink_end, ", ", e.recent_begin, ", ", e.length));
     }
-    for (std::size_t j = 0; j < i; ++j) {
-      if (entries[j].layer == e.layer && entries[j].seq == e.seq) {
-        throw shape_error(detail::message(cache, ": restore entries ", j, " and ", i,
-                                          " both name layer ", e.layer, " of sequence ", e.seq));
-      }
+    if (std::size_t& first = first_entry[e.layer * max_batch + e.seq]; first != 0) {
+      throw shape_error(detail::message(cache, ": restore entries ", first - 1, " and ", i,
+                                        " both name layer ", e.layer, " of sequence ", e.seq));
+    } else {
+      first = i + 1;
     }
     // held <= length, and every held position has K/V: the product cannot overflow once the
     // spans' sizes (real memory) are compared element count by element count.

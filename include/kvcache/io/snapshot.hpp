@@ -308,14 +308,14 @@ struct SavePlan {
     const CacheShape shape = cache.shape();
     const std::uint64_t row_bytes = shape.token_elems() * dtype_bytes(shape.dtype);
     section_sizes.push_back(kMetaBytes);
+    std::vector<bool> listed(cache.max_batch(), false);
     for (std::size_t i = 0; i < ids.size(); ++i) {
       check_seq("save_snapshot", ids[i], cache.max_batch());
-      for (std::size_t j = 0; j < i; ++j) {
-        if (ids[j] == ids[i]) {
-          throw shape_error(
-              kvcache::detail::message("save_snapshot: sequence ", ids[i], " listed twice"));
-        }
+      if (listed[ids[i]]) {
+        throw shape_error(
+            kvcache::detail::message("save_snapshot: sequence ", ids[i], " listed twice"));
       }
+      listed[ids[i]] = true;
       Seq s{ids[i], {}, {}};
       if constexpr (SnapshotTraits<C>::kTracksTokens) {
         s.tokens = SnapshotTraits<C>::tokens(cache, ids[i]);
@@ -541,15 +541,15 @@ SnapshotInfo load_aligned(std::span<const std::byte> bytes, C& cache, const Mode
                                                  " dest_seqs for ", n, " saved sequences in '",
                                                  name, "'"));
     }
+    std::vector<bool> named(cache.max_batch(), false);
     for (std::size_t i = 0; i < n; ++i) {
       dest[i] = options.dest_seqs[i];
       kvcache::detail::check_seq("load_snapshot: dest_seqs", dest[i], cache.max_batch());
-      for (std::size_t j = 0; j < i; ++j) {
-        if (dest[j] == dest[i]) {
-          throw shape_error(kvcache::detail::message("load_snapshot: dest_seqs names sequence ",
-                                                     dest[i], " twice"));
-        }
+      if (named[dest[i]]) {
+        throw shape_error(kvcache::detail::message("load_snapshot: dest_seqs names sequence ",
+                                                   dest[i], " twice"));
       }
+      named[dest[i]] = true;
     }
   }
 

@@ -3,6 +3,7 @@
 // checks every byte of a file (structure, ranges, checksums) before anyone looks at the contents.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvcache/core/config.hpp"
@@ -525,11 +527,6 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
       fail<snapshot_format_error>(name, o + kSeqIndex, "sequence ", seq.seq,
                                   " is not below the saved max_batch ", p.max_batch);
     }
-    for (const Sequence& prev : out.sequences) {
-      if (prev.seq == seq.seq) {
-        fail<snapshot_format_error>(name, o + kSeqIndex, "sequence ", seq.seq, " saved twice");
-      }
-    }
     seq.num_token_ids = detail::get_count(name, bytes, o + kSeqNumTokenIds, "num_token_ids");
     if ((ss.size - fixed) % sizeof(token_id) != 0 ||
         (ss.size - fixed) / sizeof(token_id) != seq.num_token_ids) {
@@ -605,6 +602,20 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
       seq.kv_offset[l] = k + kLayerKvHeaderBytes;
     }
     out.sequences.push_back(std::move(seq));
+  }
+  {  // each sequence at most once: O(n log n) over the (file-bounded) records
+    std::vector<std::pair<std::uint64_t, std::size_t>> order;
+    order.reserve(out.sequences.size());
+    for (std::size_t r = 0; r < out.sequences.size(); ++r)
+      order.emplace_back(out.sequences[r].seq, r);
+    std::sort(order.begin(), order.end());
+    for (std::size_t i = 1; i < order.size(); ++i) {
+      if (order[i].first == order[i - 1].first) {
+        const Sequence& dup = out.sequences[std::max(order[i].second, order[i - 1].second)];
+        fail<snapshot_format_error>(name, dup.section_offset + kSeqIndex, "sequence ", dup.seq,
+                                    " saved twice");
+      }
+    }
   }
   for (; next < sections.size(); ++next) {
     if ((sections[next].flags & kFlagOptional) == 0) {

@@ -135,39 +135,40 @@ class TokenTrackedCache {
     c.restore(e);
   }
   {
-    for (std::size_t i = 0; i < tokens.size(); ++i) {
-      detail::check_seq(kName, tokens[i].seq, tokens_.size());
-      for (std::size_t j = 0; j < i; ++j) {
-        if (tokens[j].seq == tokens[i].seq) {
-          throw shape_error(detail::message(kName, ": restore names the ids of sequence ",
-                                            tokens[i].seq, " twice"));
-        }
+    const std::size_t num_layers = cache_.shape().num_layers;
+    std::vector<const SequenceTokens*> ids_of(tokens_.size(), nullptr);
+    for (const SequenceTokens& t : tokens) {
+      detail::check_seq(kName, t.seq, tokens_.size());
+      if (ids_of[t.seq] != nullptr) {
+        throw shape_error(
+            detail::message(kName, ": restore names the ids of sequence ", t.seq, " twice"));
+      }
+      ids_of[t.seq] = &t;
+    }
+    // Each layer's length after the restore: the entry's, else the current one.
+    std::vector<std::size_t> length(num_layers * tokens_.size());
+    for (const SequenceTokens& t : tokens) {
+      for (std::size_t l = 0; l < num_layers; ++l) {
+        length[l * tokens_.size() + t.seq] = cache_.layer_length(l, t.seq);
       }
     }
-    const auto ids_of = [&](std::size_t seq) -> const SequenceTokens* {
-      for (const SequenceTokens& t : tokens) {
-        if (t.seq == seq) return &t;
-      }
-      return nullptr;
-    };
     for (const auto& e : entries) {
-      if (e.seq < tokens_.size() && ids_of(e.seq) == nullptr) {
+      if (e.seq >= tokens_.size() || e.layer >= num_layers) continue;  // C::restore refuses it
+      if (ids_of[e.seq] == nullptr) {
         throw shape_error(
             detail::message(kName, ": restore of sequence ", e.seq, " without its token ids"));
       }
+      if (e.length >= 0) {
+        length[e.layer * tokens_.size() + e.seq] = static_cast<std::size_t>(e.length);
+      }
     }
     for (const SequenceTokens& t : tokens) {
-      for (std::size_t l = 0; l < cache_.shape().num_layers; ++l) {
-        std::size_t length = cache_.layer_length(l, t.seq);
-        for (const auto& e : entries) {
-          if (e.seq == t.seq && e.layer == l && e.length >= 0) {
-            length = static_cast<std::size_t>(e.length);
-          }
-        }
-        if (t.ids.size() > length) {
+      for (std::size_t l = 0; l < num_layers; ++l) {
+        const std::size_t len = length[l * tokens_.size() + t.seq];
+        if (t.ids.size() > len) {
           throw position_error(detail::message(kName, ": restore of ", t.ids.size(),
                                                " token ids into sequence ", t.seq, " but layer ", l,
-                                               " will hold ", length, " tokens"));
+                                               " will hold ", len, " tokens"));
         }
       }
     }
