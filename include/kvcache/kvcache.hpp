@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Umbrella header: the whole public CPU API of kvcache (no CUDA, no fmt).
+// Umbrella header: the whole public CPU API of kvcache, portable C++20 only. Not included: CUDA
+// (kvcache/cuda/cuda.cuh), {fmt} formatters (kvcache/fmt.hpp) and snapshots on disk, which use
+// POSIX file APIs (kvcache/io/snapshot.hpp).
 #pragma once
 
 #include "kvcache/attention/attend.hpp"
@@ -11,6 +13,7 @@
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/restore.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/thread_pool.hpp"
 #include "kvcache/core/view.hpp"

@@ -11,6 +11,7 @@
 #include "kvcache/core/buffer.hpp"
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/core/config.hpp"
+#include "kvcache/core/restore.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -143,6 +144,54 @@ class DynamicCache {
       Slot& slot = slots_[l * max_batch_ + seq];
       slot.length = 0;
       release_chunks_beyond(slot, 0);
+    }
+  }
+
+  /// Snapshot restore hook: puts each listed (layer, seq) in the given state, positions
+  /// [0, length) with the given K/V; other layers and sequences are untouched. The new chunks
+  /// are allocated and filled aside, then swapped in, so the old and new contents of the listed
+  /// slots coexist for the duration of the call. O(total elements).
+  /// @pre entries name each (layer, seq) at most once.
+  /// @post view(e.layer, e.seq) reports e.length and holds e.k / e.v.
+  /// @throws layer_error, batch_error, shape_error, position_error (sink_end or recent_begin
+  ///         not 0), capacity_error (length > max_seq_len), std::bad_alloc; all before anything
+  ///         changes.
+  void restore(std::span<const LayerRestore<T>> entries) {
+    detail::check_restore_entries(kName, entries, shape_, max_batch_);
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const LayerRestore<T>& e = entries[i];
+      if (e.sink_end != 0 || e.recent_begin != 0) {
+        throw position_error(detail::message(kName, ": restore entry ", i, " drops positions [",
+                                             e.sink_end, ", ", e.recent_begin,
+                                             "), but a DynamicCache holds every position"));
+      }
+      if (static_cast<std::size_t>(e.length) > max_seq_len_) {
+        throw capacity_error(detail::message(kName, ": restore entry ", i, ": sequence ", e.seq,
+                                             " layer ", e.layer, " holds ", e.length,
+                                             " tokens, more than max_seq_len ", max_seq_len_));
+      }
+    }
+    std::vector<std::vector<AlignedBuffer<T>>> fresh(entries.size());
+    const std::size_t head_elems = chunk_len_ * shape_.head_dim;
+    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const LayerRestore<T>& e = entries[i];
+      const std::size_t n = e.held();
+      const std::size_t num_chunks = (n + chunk_len_ - 1) / chunk_len_;
+      fresh[i].reserve(num_chunks);
+      for (std::size_t c = 0; c < num_chunks; ++c) {
+        T* base = fresh[i].emplace_back(chunk_elems_).data();
+        const std::size_t first = c * chunk_len_, run = std::min(chunk_len_, n - first);
+        detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, run, shape_);
+        detail::copy_packed_rows(base + v_offset, head_elems, 0, e.v.data(), n, first, run, shape_);
+      }
+    }
+    for (std::size_t i = 0; i < entries.size(); ++i) {  // commit: nothing below throws
+      Slot& slot = slots_[entries[i].layer * max_batch_ + entries[i].seq];
+      allocated_bytes_ -= slot.chunks.size() * chunk_elems_ * sizeof(T);
+      allocated_bytes_ += fresh[i].size() * chunk_elems_ * sizeof(T);
+      slot.chunks.swap(fresh[i]);
+      slot.length = entries[i].held();
     }
   }
 

@@ -13,6 +13,7 @@
 #include "kvcache/core/buffer.hpp"
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/core/config.hpp"
+#include "kvcache/core/restore.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -197,6 +198,61 @@ class SlidingWindowCache {
     detail::check_seq(kName, seq, max_batch_);
     for (std::size_t l = 0; l < shape_.num_layers; ++l) {
       state_[l * max_batch_ + seq] = State{0, static_cast<position_t>(num_sinks_)};
+    }
+  }
+
+  /// Snapshot restore hook: puts each listed (layer, seq) in the state its view is to report
+  /// (length, sink_end, recent_begin), holding the given K/V at those absolute positions; other
+  /// layers and sequences are untouched. Never allocates. O(total elements).
+  /// Valid states: length <= num_sink_tokens with sink_end == recent_begin == length, or
+  /// length > num_sink_tokens with sink_end == num_sink_tokens <= recent_begin <= length and
+  /// length - recent_begin <= ring_len() (the ring holds [recent_begin, length)).
+  /// @pre entries name each (layer, seq) at most once.
+  /// @post view(e.layer, e.seq) reports e.length, e.sink_end, e.recent_begin and holds e.k / e.v.
+  /// @throws layer_error, batch_error, shape_error, position_error (a state no sliding window
+  ///         of this shape can be in), capacity_error (more ring positions than ring_len()),
+  ///         all before anything changes.
+  void restore(std::span<const LayerRestore<T>> entries) {
+    detail::check_restore_entries(kName, entries, shape_, max_batch_);
+    const position_t sinks = static_cast<position_t>(num_sinks_);
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const LayerRestore<T>& e = entries[i];
+      const bool all_sinks = e.length <= sinks;
+      if (all_sinks ? (e.sink_end != e.length || e.recent_begin != e.length)
+                    : (e.sink_end != sinks || e.recent_begin < sinks)) {
+        throw position_error(detail::message(
+            kName, ": restore entry ", i, " (sequence ", e.seq, " layer ", e.layer, "): length ",
+            e.length, ", sink_end ", e.sink_end, ", recent_begin ", e.recent_begin,
+            " is not a state of a window with ", num_sinks_, " sink tokens"));
+      }
+      if (static_cast<std::size_t>(e.length - e.recent_begin) > ring_len_) {
+        throw capacity_error(detail::message(
+            kName, ": restore entry ", i, " (sequence ", e.seq, " layer ", e.layer, ") holds ",
+            e.length - e.recent_begin, " ring positions, more than ring_len ", ring_len_,
+            " (window ", window_, ", max_append_len ", max_append_len_, ")"));
+      }
+    }
+    const std::size_t head_elems = slots_per_seq_ * shape_.head_dim;
+    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
+    for (const LayerRestore<T>& e : entries) {
+      T* base = storage_.data() + slab_offset(e.layer, e.seq);
+      const std::size_t held = e.held();
+      auto copy = [&](std::size_t slot, std::size_t src_first, std::size_t n) {
+        detail::copy_packed_rows(base, head_elems, slot, e.k.data(), held, src_first, n, shape_);
+        detail::copy_packed_rows(base + v_offset, head_elems, slot, e.v.data(), held, src_first, n,
+                                 shape_);
+      };
+      const std::size_t sink_end = static_cast<std::size_t>(e.sink_end);
+      copy(0, 0, sink_end);
+      for (position_t p = e.recent_begin; p < e.length;) {
+        const std::size_t slot = slot_of(static_cast<std::size_t>(p));
+        const std::size_t run =
+            std::min(static_cast<std::size_t>(e.length - p), slots_per_seq_ - slot);
+        copy(slot, sink_end + static_cast<std::size_t>(p - e.recent_begin), run);
+        p += static_cast<position_t>(run);
+      }
+      state_[e.layer * max_batch_ + e.seq] =
+          State{e.length, e.length <= sinks ? sinks : e.recent_begin};
     }
   }
 

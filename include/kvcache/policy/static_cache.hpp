@@ -9,6 +9,7 @@
 #include "kvcache/core/buffer.hpp"
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/core/config.hpp"
+#include "kvcache/core/restore.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -118,6 +119,39 @@ class StaticCache {
   void reset(std::size_t seq) {
     detail::check_seq(kName, seq, max_batch_);
     for (std::size_t l = 0; l < shape_.num_layers; ++l) lengths_[l * max_batch_ + seq] = 0;
+  }
+
+  /// Snapshot restore hook: puts each listed (layer, seq) in the given state, positions
+  /// [0, length) with the given K/V; other layers and sequences are untouched. Never allocates.
+  /// O(total elements).
+  /// @pre entries name each (layer, seq) at most once.
+  /// @post view(e.layer, e.seq) reports e.length and holds e.k / e.v.
+  /// @throws layer_error, batch_error, shape_error, position_error (sink_end or recent_begin
+  ///         not 0), capacity_error (length > max_seq_len), all before anything changes.
+  void restore(std::span<const LayerRestore<T>> entries) {
+    detail::check_restore_entries(kName, entries, shape_, max_batch_);
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const LayerRestore<T>& e = entries[i];
+      if (e.sink_end != 0 || e.recent_begin != 0) {
+        throw position_error(detail::message(kName, ": restore entry ", i, " drops positions [",
+                                             e.sink_end, ", ", e.recent_begin,
+                                             "), but a StaticCache holds every position"));
+      }
+      if (static_cast<std::size_t>(e.length) > max_seq_len_) {
+        throw capacity_error(detail::message(kName, ": restore entry ", i, ": sequence ", e.seq,
+                                             " layer ", e.layer, " holds ", e.length,
+                                             " tokens, more than max_seq_len ", max_seq_len_));
+      }
+    }
+    const std::size_t head_elems = max_seq_len_ * shape_.head_dim;
+    for (const LayerRestore<T>& e : entries) {
+      T* base = storage_.data() + slab_offset(e.layer, e.seq);
+      const std::size_t n = e.held();
+      detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, 0, n, shape_);
+      detail::copy_packed_rows(base + shape_.num_kv_heads * head_elems, head_elems, 0, e.v.data(),
+                               n, 0, n, shape_);
+      lengths_[e.layer * max_batch_ + e.seq] = n;
+    }
   }
 
  private:

@@ -13,6 +13,7 @@
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/restore.hpp"
 
 namespace kvcache {
 
@@ -117,6 +118,65 @@ class TokenTrackedCache {
   void reset(std::size_t seq) {
     cache_.reset(seq);
     tokens_[seq].clear();
+  }
+
+  /// Snapshot restore hook: restores the listed layers through the wrapped policy's
+  /// restore(entries) and sets the committed ids of each sequence in `tokens`; other sequences
+  /// are untouched. Strong guarantee: the ids are copied before the policy is touched, and the
+  /// policy's restore changes nothing when it throws.
+  /// @pre every sequence named by `entries` appears in `tokens` exactly once.
+  /// @post tokens(t.seq) equals t.ids for each t in `tokens`.
+  /// @throws batch_error, shape_error (a sequence of `entries` without ids, or named twice),
+  ///         position_error (more ids than a layer of the sequence holds after the restore),
+  ///         whatever C::restore throws, std::bad_alloc.
+  void restore(std::span<const LayerRestore<value_type>> entries,
+               std::span<const SequenceTokens> tokens) requires
+      requires(C& c, std::span<const LayerRestore<value_type>> e) {
+    c.restore(e);
+  }
+  {
+    const std::size_t num_layers = cache_.shape().num_layers;
+    std::vector<const SequenceTokens*> ids_of(tokens_.size(), nullptr);
+    for (const SequenceTokens& t : tokens) {
+      detail::check_seq(kName, t.seq, tokens_.size());
+      if (ids_of[t.seq] != nullptr) {
+        throw shape_error(
+            detail::message(kName, ": restore names the ids of sequence ", t.seq, " twice"));
+      }
+      ids_of[t.seq] = &t;
+    }
+    // Each layer's length after the restore: the entry's, else the current one.
+    std::vector<std::size_t> length(num_layers * tokens_.size());
+    for (const SequenceTokens& t : tokens) {
+      for (std::size_t l = 0; l < num_layers; ++l) {
+        length[l * tokens_.size() + t.seq] = cache_.layer_length(l, t.seq);
+      }
+    }
+    for (const auto& e : entries) {
+      if (e.seq >= tokens_.size() || e.layer >= num_layers) continue;  // C::restore refuses it
+      if (ids_of[e.seq] == nullptr) {
+        throw shape_error(
+            detail::message(kName, ": restore of sequence ", e.seq, " without its token ids"));
+      }
+      if (e.length >= 0) {
+        length[e.layer * tokens_.size() + e.seq] = static_cast<std::size_t>(e.length);
+      }
+    }
+    for (const SequenceTokens& t : tokens) {
+      for (std::size_t l = 0; l < num_layers; ++l) {
+        const std::size_t len = length[l * tokens_.size() + t.seq];
+        if (t.ids.size() > len) {
+          throw position_error(detail::message(kName, ": restore of ", t.ids.size(),
+                                               " token ids into sequence ", t.seq, " but layer ", l,
+                                               " will hold ", len, " tokens"));
+        }
+      }
+    }
+    std::vector<std::vector<token_id>> copies;
+    copies.reserve(tokens.size());
+    for (const SequenceTokens& t : tokens) copies.emplace_back(t.ids.begin(), t.ids.end());
+    cache_.restore(entries);
+    for (std::size_t i = 0; i < tokens.size(); ++i) tokens_[tokens[i].seq].swap(copies[i]);
   }
 
  private:

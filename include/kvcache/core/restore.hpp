@@ -1,0 +1,106 @@
+// SPDX-License-Identifier: Apache-2.0
+// The argument of the policies' restore() hooks: the state one (layer, sequence) is to be put in,
+// described as its view would report it, plus the K/V of the positions it holds, packed.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/dtype.hpp"
+#include "kvcache/core/error.hpp"
+
+namespace kvcache {
+
+/// What one (layer, sequence) holds, as its view reports it, plus the K/V of those positions.
+/// Produced by the snapshot loader (kvcache/io/snapshot.hpp) and consumed by a policy's
+/// `restore(std::span<const LayerRestore<T>>)`. After a restore, view(layer, seq) reports exactly
+/// length, sink_end and recent_begin, and holds these K/V rows at those positions.
+template <Element T>
+struct LayerRestore {
+  std::size_t layer = 0;
+  std::size_t seq = 0;
+  /// view().length(): one past the last position (positions appended so far).
+  position_t length = 0;
+  /// view().sink_end() and view().recent_begin(): the positions held are [0, sink_end) and
+  /// [recent_begin, length). Both 0 for the policies that drop nothing.
+  position_t sink_end = 0;
+  position_t recent_begin = 0;
+  /// K and V of the held positions in increasing position order, each packed head-major
+  /// [num_kv_heads][held][head_dim], held = sink_end + (length - recent_begin).
+  std::span<const T> k;
+  std::span<const T> v;
+
+  /// Positions held: sink_end + (length - recent_begin). @pre the fields are consistent.
+  [[nodiscard]] constexpr std::size_t held() const noexcept {
+    return static_cast<std::size_t>(sink_end + (length - recent_begin));
+  }
+};
+
+/// The token ids one sequence of a TokenTrackedCache is to hold after a restore.
+struct SequenceTokens {
+  std::size_t seq = 0;
+  std::span<const token_id> ids;
+};
+
+namespace detail {
+
+/// Shared checks of restore(): layer and sequence in range, each (layer, seq) at most once,
+/// 0 <= sink_end <= recent_begin <= length, and K/V spans sized for held() positions.
+/// @throws layer_error, batch_error, position_error, shape_error naming entry `i`.
+/// O(entries + num_layers * max_batch).
+template <Element T>
+void check_restore_entries(const char* cache, std::span<const LayerRestore<T>> entries,
+                           const CacheShape& shape, std::size_t max_batch) {
+  std::vector<std::size_t> first_entry;  // [layer][seq] -> index + 1 of the entry naming it
+  if (!entries.empty()) first_entry.assign(shape.num_layers * max_batch, 0);
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const LayerRestore<T>& e = entries[i];
+    if (e.layer >= shape.num_layers) {
+      throw layer_error(detail::message(cache, ": restore entry ", i, ": layer ", e.layer,
+                                        " out of range (num_layers ", shape.num_layers, ")"));
+    }
+    if (e.seq >= max_batch) {
+      throw batch_error(detail::message(cache, ": restore entry ", i, ": sequence ", e.seq,
+                                        " out of range (max_batch ", max_batch, ")"));
+    }
+    if (!(0 <= e.sink_end && e.sink_end <= e.recent_begin && e.recent_begin <= e.length)) {
+      throw position_error(detail::message(cache, ": restore entry ", i,
+                                           ": need 0 <= sink_end <= recent_begin <= length, got ",
+                                           e.sink_end, ", ", e.recent_begin, ", ", e.length));
+    }
+    if (std::size_t& first = first_entry[e.layer * max_batch + e.seq]; first != 0) {
+      throw shape_error(detail::message(cache, ": restore entries ", first - 1, " and ", i,
+                                        " both name layer ", e.layer, " of sequence ", e.seq));
+    } else {
+      first = i + 1;
+    }
+    // held <= length, and every held position has K/V: the product cannot overflow once the
+    // spans' sizes (real memory) are compared element count by element count.
+    const std::size_t row = shape.token_elems();
+    const std::size_t held = e.held();
+    if (e.k.size() / row != held || e.k.size() % row != 0 || e.v.size() != e.k.size()) {
+      throw shape_error(detail::message(
+          cache, ": restore entry ", i, " holds ", held, " positions, so K and V need ", held,
+          " x ", row, " elements each, but got ", e.k.size(), " and ", e.v.size()));
+    }
+  }
+}
+
+/// Copies positions [first, first + n) of a packed head-major [heads][held][head_dim] source,
+/// starting at packed index `src_first`, into storage rows dst + h * head_stride + slot * dim.
+template <Element T>
+void copy_packed_rows(T* dst, std::size_t head_stride, std::size_t dst_slot, const T* src,
+                      std::size_t held, std::size_t src_first, std::size_t n,
+                      const CacheShape& shape) noexcept {
+  const std::size_t d = shape.head_dim;
+  for (std::size_t h = 0; h < shape.num_kv_heads; ++h) {
+    const T* from = src + (h * held + src_first) * d;
+    std::copy(from, from + n * d, dst + h * head_stride + dst_slot * d);
+  }
+}
+
+}  // namespace detail
+}  // namespace kvcache
