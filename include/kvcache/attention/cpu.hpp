@@ -106,6 +106,86 @@ enum class TileCover { none, partial, full };
   return none_seen ? TileCover::none : TileCover::partial;
 }
 
+/// The keys of one segment that the rows of an attend_rows call can see: [begin, end).
+struct VisibleRange {
+  const kvcache::detail::Mask& mask;
+  position_t pos_max;  // the rows' largest position
+  position_t low_min;  // the rows' lowest window start
+
+  template <Element T>
+  void operator()(const KVSegment<T>& seg, position_t& begin, position_t& end) const noexcept {
+    begin = seg.first_pos;
+    end = seg.first_pos + static_cast<position_t>(seg.len);
+    if (mask.causal) {
+      end = std::min(end, pos_max + 1);
+      if (seg.first_pos >= mask.sinks) begin = std::max(begin, low_min);
+    }
+  }
+};
+
+/// Walks the keys attend_rows visits, in visiting order and across segment boundaries, a fixed
+/// lead ahead of the tile being computed, and says which K/V rows to prefetch for each tile.
+/// Without it, segments shorter than the lead (paged blocks) would never be prefetched.
+template <KVView V>
+class PrefetchCursor {
+ public:
+  using T = typename V::value_type;
+
+  PrefetchCursor(const V& view, std::size_t kv_head, const VisibleRange& visible,
+                 std::size_t lead) noexcept
+      : view_(view), kv_head_(kv_head), visible_(visible) {
+    enter(0);
+    advance(lead);
+  }
+
+  /// The K and V rows of the next n keys at the cursor (clipped to its segment); then moves the
+  /// cursor n keys on, as the compute loop moves one tile of n keys on.
+  [[nodiscard]] Prefetch take(std::size_t n) noexcept {
+    Prefetch p{};
+    if (seg_index_ < view_.num_segments()) {
+      const std::size_t keys = std::min(n, static_cast<std::size_t>(end_ - pos_));
+      const std::size_t offset =
+          seg_.head_stride * kv_head_ + static_cast<std::size_t>(pos_ - seg_.first_pos) * d();
+      p = {reinterpret_cast<const char*>(seg_.k + offset),
+           reinterpret_cast<const char*>(seg_.v + offset), keys * d() * sizeof(T)};
+    }
+    advance(n);
+    return p;
+  }
+
+ private:
+  [[nodiscard]] std::size_t d() const noexcept { return view_.head_dim(); }
+
+  // Moves to the first segment from i on with a visible key.
+  void enter(std::size_t i) noexcept {
+    for (seg_index_ = i; seg_index_ < view_.num_segments(); ++seg_index_) {
+      seg_ = view_.segment(seg_index_);
+      visible_(seg_, pos_, end_);
+      if (pos_ < end_) return;
+    }
+  }
+
+  void advance(std::size_t n) noexcept {
+    while (n != 0 && seg_index_ < view_.num_segments()) {
+      const auto left = static_cast<std::size_t>(end_ - pos_);
+      if (n < left) {
+        pos_ += static_cast<position_t>(n);
+        return;
+      }
+      n -= left;
+      enter(seg_index_ + 1);
+    }
+  }
+
+  const V& view_;
+  std::size_t kv_head_;
+  VisibleRange visible_;
+  std::size_t seg_index_ = 0;
+  KVSegment<T> seg_{};
+  position_t pos_ = 0;
+  position_t end_ = 0;
+};
+
 /// Attention of up to kRowBlock query rows, all mapped to KV head `kv_head`, over the whole
 /// view: a single pass over the visible tiles with an online softmax. Writes each row's output.
 template <class Ops, KVView V>
@@ -130,32 +210,22 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
+  const VisibleRange visible{mask, pos_max, low_min};
+  // K/V rows kPrefetchTiles tiles' worth of keys ahead, fetched while this tile computes. The
+  // micro-kernel spreads the prefetches over its loop: one burst would stall on the line-fill
+  // buffers, and the V tile's column-wise reads leave the hardware prefetchers behind.
+  PrefetchCursor<V> prefetch(view, kv_head, visible, kPrefetchTiles * kTile);
   for (std::size_t si = 0; si < view.num_segments(); ++si) {
     const KVSegment<T> seg = view.segment(si);
     const T* kbase = seg.k + kv_head * seg.head_stride;
     const T* vbase = seg.v + kv_head * seg.head_stride;
-    const position_t seg_end = seg.first_pos + static_cast<position_t>(seg.len);
-    position_t begin = seg.first_pos, end = seg_end;
-    if (mask.causal) {
-      end = std::min(end, pos_max + 1);
-      if (seg.first_pos >= mask.sinks) begin = std::max(begin, low_min);
-    }
+    position_t begin = 0, end = 0;
+    visible(seg, begin, end);
     for (position_t t0 = begin; t0 < end; t0 += static_cast<position_t>(kTile)) {
       const std::size_t nk = static_cast<std::size_t>(std::min<position_t>(kTile, end - t0));
       const std::size_t offset = static_cast<std::size_t>(t0 - seg.first_pos) * d;
       const position_t t_last = t0 + static_cast<position_t>(nk) - 1;
-      // K/V rows kPrefetchTiles tiles ahead, fetched while this tile computes. The micro-kernel
-      // spreads the prefetches over its loop: one burst would stall on the line-fill buffers,
-      // and the V tile's column-wise reads leave the hardware prefetchers behind.
-      Prefetch ahead{};
-      const position_t ahead_first = t0 + static_cast<position_t>(kPrefetchTiles * kTile);
-      if (ahead_first < end) {
-        const std::size_t ahead_keys =
-            static_cast<std::size_t>(std::min<position_t>(kTile, end - ahead_first));
-        const std::size_t ahead_offset = offset + kPrefetchTiles * kTile * d;
-        ahead = {reinterpret_cast<const char*>(kbase + ahead_offset),
-                 reinterpret_cast<const char*>(vbase + ahead_offset), ahead_keys * d * sizeof(T)};
-      }
+      const Prefetch ahead = prefetch.take(nk);
       for (std::size_t r0 = 0; r0 < num_rows; r0 += kSubRows) {
         const std::size_t sub = std::min(kSubRows, num_rows - r0);
         TileCover cover[kSubRows];
