@@ -471,31 +471,34 @@ TEST_CASE(
     "attention over paged views with windows, sinks, soft-cap, prefill queries and "
     "non-causal masks equals the reference") {
   auto rng = kvcache::test::make_rng("paged-masks");
-  auto cache = make_cache<half>(64, 4, 1);
-  const auto ids = kvcache::test::prompt_with_prefix(rng, {}, 70);
-  run_prompt(cache, 0, ids, 9);
-  const auto view = cache.view(1, 0);
-  REQUIRE(view.num_segments() == 18);
-  kvcache::test::check_view_invariants(view);
-  const std::vector<AttentionOptions> options{
-      {},
-      {.window = 13, .num_sink_tokens = 2},
-      {.window = 5},
-      {.softcap = 3.0f},
-      {.causal = false},
-      {.query_pos = 20},
-  };
-  constexpr std::size_t kNq = 7, kQHeads = 2 * kHeads;
-  const auto q = kvcache::test::normal_floats(rng, kNq * kQHeads * kDim);
-  for (const auto& opts : options) {
-    std::vector<float> expect(q.size());
-    reference::attend({q, kNq, kQHeads, kDim}, view, {expect, kNq, kQHeads, kDim}, opts);
-    for (auto kernel : {cpu::Kernel::automatic, cpu::Kernel::portable}) {
-      std::vector<float> got(q.size());
-      cpu::attend({q, kNq, kQHeads, kDim}, view, {got, kNq, kQHeads, kDim}, opts, kernel);
-      INFO("window " << opts.window << " sinks " << opts.num_sink_tokens << " causal "
-                     << opts.causal);
-      kvcache::test::require_close(got, expect, {2e-5, 2e-5});
+  for (std::size_t bs : {4u, 7u, 16u, 33u}) {  // tiles of 32 keys made of 8, 5, 2, 1-2 runs
+    auto cache = make_cache<half>(80, bs, 1);
+    const auto ids = kvcache::test::prompt_with_prefix(rng, {}, 150);
+    run_prompt(cache, 0, ids, 9);
+    const auto view = cache.view(1, 0);
+    REQUIRE(view.num_segments() == (150 + bs - 1) / bs);
+    kvcache::test::check_view_invariants(view);
+    const std::vector<AttentionOptions> options{
+        {},
+        {.window = 13, .num_sink_tokens = 2},
+        {.window = 40, .num_sink_tokens = 5},
+        {.window = 5},
+        {.softcap = 3.0f},
+        {.causal = false},
+        {.query_pos = 20},
+    };
+    constexpr std::size_t kNq = 7, kQHeads = 2 * kHeads;
+    const auto q = kvcache::test::normal_floats(rng, kNq * kQHeads * kDim);
+    for (const auto& opts : options) {
+      std::vector<float> expect(q.size());
+      reference::attend({q, kNq, kQHeads, kDim}, view, {expect, kNq, kQHeads, kDim}, opts);
+      for (auto kernel : {cpu::Kernel::automatic, cpu::Kernel::portable}) {
+        std::vector<float> got(q.size());
+        cpu::attend({q, kNq, kQHeads, kDim}, view, {got, kNq, kQHeads, kDim}, opts, kernel);
+        INFO("block_size " << bs << " window " << opts.window << " sinks " << opts.num_sink_tokens
+                           << " causal " << opts.causal);
+        kvcache::test::require_close(got, expect, {2e-5, 2e-5});
+      }
     }
   }
 }
