@@ -39,7 +39,8 @@ struct PagedCacheConfig {
   /// Sequence slots: sequences are 0 .. max_batch - 1, each empty until used.
   std::size_t max_batch = 1;
   /// Largest length of one sequence; 0 means num_blocks * block_size. Each slot's block table
-  /// and token-id buffer are allocated for it at construction.
+  /// and token-id buffer are allocated for it at construction: about
+  /// max_batch * max_seq_len * (4 + 12 / block_size) bytes besides the pool.
   std::size_t max_seq_len = 0;
   /// Index full blocks by their token ids so that later prompts reuse them (admit()).
   bool enable_prefix_caching = true;
@@ -121,16 +122,20 @@ static_assert(KVView<PagedView<float>>);
 /// *committed* once it is full in every layer and the ids of all its positions are registered:
 /// its K/V is then final. Committed blocks are indexed (in order: block i after block i - 1) at
 /// the end of the append() or add_tokens() that completes them; if an equal block (same prefix,
-/// same ids) is already indexed, the sequence switches to that one and frees its own copy.
-/// Appending K/V without ever registering ids is allowed: such blocks are never indexed.
-/// The caller's contract: the id registered for position p is the token whose K/V is at p.
+/// same ids) is already indexed, the sequence switches to that one and frees its own copy. Only
+/// a block the sequence holds alone is inserted; one still shared with a fork (forked before it
+/// was committed) waits until the others have copied or released it. Appending K/V without ever
+/// registering ids is allowed: such blocks are never indexed. The caller's contract: the id
+/// registered for position p is the token whose K/V is at p.
 ///
 /// Prefix index (see PrefixIndex): a trie of committed blocks keyed by (parent block, ids),
 /// through a chained hash, every hit confirmed by comparing ids. admit() walks it and shares the
 /// longest match. When the last holder of an indexed block lets go it stays indexed as *cached*
-/// (evictable); eviction takes the least recently released cached block. Because a sequence
-/// holding a block also holds the block's parent and releases children before parents, the LRU
-/// front is always a leaf of the trie (eviction still only ever removes leaves).
+/// (evictable); eviction takes the least recently released cached block. Every holder of an
+/// indexed block holds its parent too (blocks are shared as whole prefixes, and only blocks held
+/// alone are inserted), and releases children before parents, so the LRU front is always a leaf
+/// of the trie and every cached block is evictable (eviction still only ever removes leaves;
+/// check_consistency() verifies the order).
 ///
 /// Pool exhaustion: an operation that needs more blocks than are free throws
 /// pool_exhausted_error (a capacity_error naming blocks needed, free and evictable) and changes
@@ -176,8 +181,8 @@ class PagedCache {
     max_blocks_per_seq_ = (max_seq_len_ + block_size_ - 1) / block_size_;
     block_elems_ = kv_cache_bytes(1, shape_.num_kv_heads, shape_.head_dim, block_size_, 1);
     layer_elems_ = detail::checked_mul(num_blocks_, block_elems_, kName);
-    storage_ = AlignedBuffer<T>(kv_cache_bytes(shape_, pool_tokens) / sizeof(T));
     shared_ = std::make_unique<Shared>(num_blocks_, block_size_, std::move(hasher));
+    storage_ = AlignedBuffer<T>(kv_cache_bytes(shape_, pool_tokens) / sizeof(T));
     seqs_.resize(max_batch_);
     tables_.assign(detail::checked_mul(max_batch_, max_blocks_per_seq_, kName), kNoBlock);
     cow_.resize(tables_.size());
