@@ -48,6 +48,9 @@ TEST_CASE("every policy models CacheConcept, and its view models KVView") {
   STATIC_REQUIRE(CacheConcept<SlidingWindowCache<bfloat16>>);
   STATIC_REQUIRE(CacheConcept<TokenTrackedCache<StaticCache<half>>>);
   STATIC_REQUIRE(CacheConcept<TokenTrackedCache<SlidingWindowCache<float>>>);
+  STATIC_REQUIRE(CacheConcept<PagedCache<half>>);
+  STATIC_REQUIRE(PrefixCacheConcept<PagedCache<bfloat16>>);
+  STATIC_REQUIRE(KVView<PagedView<float>>);
   STATIC_REQUIRE(KVView<SegmentView<half, 3>>);
   STATIC_REQUIRE(KVView<ChunkedView<bfloat16>>);
 }
@@ -59,4 +62,27 @@ TEST_CASE("types missing a requirement are rejected") {
   STATIC_REQUIRE(!CacheConcept<int>);
   STATIC_REQUIRE(!KVView<NoSegmentsView>);
   STATIC_REQUIRE(!KVView<StaticCache<float>>);  // a cache is not a view: attend() takes views
+}
+
+namespace {
+
+// A CacheConcept cache with everything PrefixCacheConcept adds, except fork when kHasFork is false.
+template <bool kHasFork>
+struct FakePrefixCache : FakeCache<true, true> {
+  std::size_t admit(std::size_t, std::span<const token_id>) { return 0; }
+  std::size_t match_prefix(std::span<const token_id>) const { return 0; }
+  void add_tokens(std::size_t, std::span<const token_id>) {}
+  std::span<const token_id> tokens(std::size_t) const { return {}; }
+  void fork(std::size_t, std::size_t) requires kHasFork {}
+  void release(std::size_t) {}
+  PrefixCacheStats stats() const { return {}; }
+};
+
+}  // namespace
+
+TEST_CASE("PrefixCacheConcept adds prefix caching to CacheConcept and rejects what lacks it") {
+  STATIC_REQUIRE(PrefixCacheConcept<FakePrefixCache<true>>);
+  STATIC_REQUIRE(!PrefixCacheConcept<FakePrefixCache<false>>);  // no fork
+  STATIC_REQUIRE(!PrefixCacheConcept<StaticCache<float>>);      // no prefix caching at all
+  STATIC_REQUIRE(!PrefixCacheConcept<TokenTrackedCache<StaticCache<float>>>);
 }

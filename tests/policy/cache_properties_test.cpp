@@ -62,6 +62,22 @@ struct Policy<SlidingWindowCache<T>> {
   static constexpr std::size_t kMaxChunk = 64;
 };
 
+// Enough blocks for every sequence at full capacity, blocks of 16 tokens.
+template <Element T>
+struct Policy<PagedCache<T>> {
+  static PagedCache<T> make(std::size_t layers, std::size_t heads, std::size_t dim,
+                            std::size_t batch, std::size_t capacity) {
+    return PagedCache<T>({.num_layers = layers,
+                          .num_kv_heads = heads,
+                          .head_dim = dim,
+                          .num_blocks = batch * ((capacity + 15) / 16),
+                          .block_size = 16,
+                          .max_batch = batch,
+                          .max_seq_len = capacity});
+  }
+  static constexpr std::size_t kMaxChunk = 1u << 20;
+};
+
 template <class T>
 Tolerance unrounded_tolerance() {
   if constexpr (std::same_as<T, float>) return {2e-5, 2e-5};
@@ -71,10 +87,11 @@ Tolerance unrounded_tolerance() {
 
 }  // namespace
 
-#define KVCACHE_ALL_POLICIES                                                         \
-  StaticCache<float>, StaticCache<half>, StaticCache<bfloat16>, DynamicCache<float>, \
-      DynamicCache<half>, DynamicCache<bfloat16>, SlidingWindowCache<float>,         \
-      SlidingWindowCache<half>, SlidingWindowCache<bfloat16>
+#define KVCACHE_ALL_POLICIES                                                                       \
+  StaticCache<float>, StaticCache<half>, StaticCache<bfloat16>, DynamicCache<float>,               \
+      DynamicCache<half>, DynamicCache<bfloat16>, SlidingWindowCache<float>,                       \
+      SlidingWindowCache<half>, SlidingWindowCache<bfloat16>, PagedCache<float>, PagedCache<half>, \
+      PagedCache<bfloat16>
 
 TEMPLATE_TEST_CASE(
     "attention over a cache filled in random chunks over several turns equals "

@@ -106,6 +106,84 @@ enum class TileCover { none, partial, full };
   return none_seen ? TileCover::none : TileCover::partial;
 }
 
+/// The keys of one segment that the rows of an attend_rows call can see: [begin, end).
+struct VisibleRange {
+  const kvcache::detail::Mask& mask;
+  position_t pos_max;  // the rows' largest position
+  position_t skip_to;  // non-sink keys below this are skipped (the rows' lowest window start,
+                       // rounded down to whole tiles)
+
+  template <Element T>
+  void operator()(const KVSegment<T>& seg, position_t& begin, position_t& end) const noexcept {
+    begin = seg.first_pos;
+    end = seg.first_pos + static_cast<position_t>(seg.len);
+    if (mask.causal) {
+      end = std::min(end, pos_max + 1);
+      if (seg.first_pos >= mask.sinks) begin = std::max(begin, skip_to);
+    }
+  }
+};
+
+/// A run of keys consecutive in one segment: the K and V rows of one KV head, [n][head_dim] each.
+template <Element T>
+struct KeyRun {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  position_t first = 0;
+  std::size_t n = 0;
+};
+
+/// Walks the keys attend_rows visits (each segment's visible range), in order and across segment
+/// boundaries, handing them out in runs. Tiles and prefetches follow the keys rather than the
+/// segments, so views of many short segments (paged blocks) cost no more per key than one long
+/// segment does.
+template <KVView V>
+class KeyWalker {
+ public:
+  using T = typename V::value_type;
+
+  KeyWalker(const V& view, std::size_t kv_head, const VisibleRange& visible) noexcept
+      : view_(view), kv_head_(kv_head), visible_(visible) {
+    enter(0);
+  }
+
+  [[nodiscard]] bool done() const noexcept { return seg_index_ >= view_.num_segments(); }
+
+  /// The next min(n, keys left in the current segment) keys; moves past them. @pre !done().
+  [[nodiscard]] KeyRun<T> next(std::size_t n) noexcept {
+    const std::size_t keys = std::min(n, static_cast<std::size_t>(end_ - pos_));
+    const std::size_t offset = seg_.head_stride * kv_head_ +
+                               static_cast<std::size_t>(pos_ - seg_.first_pos) * view_.head_dim();
+    const KeyRun<T> run{seg_.k + offset, seg_.v + offset, pos_, keys};
+    pos_ += static_cast<position_t>(keys);
+    if (pos_ == end_) enter(seg_index_ + 1);
+    return run;
+  }
+
+  /// Moves n keys on, across segments.
+  void skip(std::size_t n) noexcept {
+    while (n != 0 && !done()) n -= next(n).n;
+  }
+
+ private:
+  // Moves to the first segment from i on with a visible key.
+  void enter(std::size_t i) noexcept {
+    for (seg_index_ = i; seg_index_ < view_.num_segments(); ++seg_index_) {
+      seg_ = view_.segment(seg_index_);
+      visible_(seg_, pos_, end_);
+      if (pos_ < end_) return;
+    }
+  }
+
+  const V& view_;
+  std::size_t kv_head_;
+  VisibleRange visible_;
+  std::size_t seg_index_ = 0;
+  KVSegment<T> seg_{};
+  position_t pos_ = 0;
+  position_t end_ = 0;
+};
+
 /// Attention of up to kRowBlock query rows, all mapped to KV head `kv_head`, over the whole
 /// view: a single pass over the visible tiles with an online softmax. Writes each row's output.
 template <class Ops, KVView V>
@@ -130,78 +208,93 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
+  // Keys below every row's window are skipped in whole tiles, counted from the first skippable
+  // (non-sink) segment, so that the tiles a row sees never depend on which other rows share its
+  // call: attention is batch-invariant.
+  position_t skip_to = low_min;
   for (std::size_t si = 0; si < view.num_segments(); ++si) {
-    const KVSegment<T> seg = view.segment(si);
-    const T* kbase = seg.k + kv_head * seg.head_stride;
-    const T* vbase = seg.v + kv_head * seg.head_stride;
-    const position_t seg_end = seg.first_pos + static_cast<position_t>(seg.len);
-    position_t begin = seg.first_pos, end = seg_end;
-    if (mask.causal) {
-      end = std::min(end, pos_max + 1);
-      if (seg.first_pos >= mask.sinks && low_min > begin) {
-        // skip whole tiles below every row's window, staying on the segment's tile grid so a
-        // row's result never depends on which other rows share its call
-        begin +=
-            (low_min - begin) / static_cast<position_t>(kTile) * static_cast<position_t>(kTile);
+    const position_t first = view.segment(si).first_pos;
+    if (first < mask.sinks) continue;
+    skip_to = low_min > first ? first + (low_min - first) / static_cast<position_t>(kTile) *
+                                            static_cast<position_t>(kTile)
+                              : first;
+    break;
+  }
+  const VisibleRange visible{mask, pos_max, skip_to};
+  KeyWalker<V> keys(view, kv_head, visible);
+  // K/V rows kPrefetchTiles tiles' worth of keys ahead, fetched while this tile computes. The
+  // micro-kernel spreads the prefetches over its loop: one burst would stall on the line-fill
+  // buffers, and the V tile's column-wise reads leave the hardware prefetchers behind.
+  KeyWalker<V> ahead(view, kv_head, visible);
+  ahead.skip(kPrefetchTiles * kTile);
+  KeyRun<T> runs[kTile];
+  Prefetch fetch[kTile];
+  while (!keys.done()) {
+    // One tile: up to kTile keys, in several runs where segments are shorter than a tile.
+    std::size_t num_runs = 0, nk = 0;
+    while (nk < kTile && !keys.done()) {
+      const KeyRun<T> run = keys.next(kTile - nk);
+      fetch[num_runs] = {};
+      if (!ahead.done()) {
+        const KeyRun<T> a = ahead.next(run.n);
+        ahead.skip(run.n - a.n);  // keep the lead where segment boundaries do not line up
+        fetch[num_runs] = {reinterpret_cast<const char*>(a.k), reinterpret_cast<const char*>(a.v),
+                           a.n * d * sizeof(T)};
       }
+      runs[num_runs++] = run;
+      nk += run.n;
     }
-    for (position_t t0 = begin; t0 < end; t0 += static_cast<position_t>(kTile)) {
-      const std::size_t nk = static_cast<std::size_t>(std::min<position_t>(kTile, end - t0));
-      const std::size_t offset = static_cast<std::size_t>(t0 - seg.first_pos) * d;
-      const position_t t_last = t0 + static_cast<position_t>(nk) - 1;
-      // K/V rows kPrefetchTiles tiles ahead, fetched while this tile computes. The micro-kernel
-      // spreads the prefetches over its loop: one burst would stall on the line-fill buffers,
-      // and the V tile's column-wise reads leave the hardware prefetchers behind.
-      Prefetch ahead{};
-      const position_t ahead_first = t0 + static_cast<position_t>(kPrefetchTiles * kTile);
-      if (ahead_first < end) {
-        const std::size_t ahead_keys =
-            static_cast<std::size_t>(std::min<position_t>(kTile, end - ahead_first));
-        const std::size_t ahead_offset = offset + kPrefetchTiles * kTile * d;
-        ahead = {reinterpret_cast<const char*>(kbase + ahead_offset),
-                 reinterpret_cast<const char*>(vbase + ahead_offset), ahead_keys * d * sizeof(T)};
+    const position_t t0 = runs[0].first;
+    const position_t t_last =
+        runs[num_runs - 1].first + static_cast<position_t>(runs[num_runs - 1].n) - 1;
+    for (std::size_t r0 = 0; r0 < num_rows; r0 += kSubRows) {
+      const std::size_t sub = std::min(kSubRows, num_rows - r0);
+      TileCover cover[kSubRows];
+      bool any = false;
+      for (std::size_t r = 0; r < sub; ++r) {
+        cover[r] = tile_cover(mask, rows[r0 + r].pos, t0, t_last);
+        any = any || cover[r] != TileCover::none;
       }
-      for (std::size_t r0 = 0; r0 < num_rows; r0 += kSubRows) {
-        const std::size_t sub = std::min(kSubRows, num_rows - r0);
-        TileCover cover[kSubRows];
-        bool any = false;
-        for (std::size_t r = 0; r < sub; ++r) {
-          cover[r] = tile_cover(mask, rows[r0 + r].pos, t0, t_last);
-          any = any || cover[r] != TileCover::none;
+      if (!any) continue;
+      for (std::size_t i = 0, at = 0; i < num_runs; at += runs[i++].n) {
+        Ops::qk(qs + r0 * d, sub, runs[i].k, runs[i].n, d, s + at, kTile,
+                r0 == 0 ? fetch[i] : Prefetch{});
+      }
+      for (std::size_t r = 0; r < sub; ++r) {
+        float* sr = s + r * kTile;
+        if (cover[r] == TileCover::none) {
+          std::fill(sr, sr + nk, 0.0f);
+          continue;
         }
-        if (!any) continue;
-        Ops::qk(qs + r0 * d, sub, kbase + offset, nk, d, s, kTile, r0 == 0 ? ahead : Prefetch{});
-        for (std::size_t r = 0; r < sub; ++r) {
-          float* sr = s + r * kTile;
-          if (cover[r] == TileCover::none) {
-            std::fill(sr, sr + nk, 0.0f);
-            continue;
-          }
-          if (softcap > 0.0f) {
-            for (std::size_t j = 0; j < nk; ++j) sr[j] = softcap * std::tanh(sr[j] / softcap);
-          }
-          if (cover[r] == TileCover::partial) {
-            for (std::size_t j = 0; j < nk; ++j) {
-              if (!mask.visible(rows[r0 + r].pos, t0 + static_cast<position_t>(j))) sr[j] = neg_inf;
+        if (softcap > 0.0f) {
+          for (std::size_t j = 0; j < nk; ++j) sr[j] = softcap * std::tanh(sr[j] / softcap);
+        }
+        if (cover[r] == TileCover::partial) {
+          for (std::size_t i = 0, at = 0; i < num_runs; at += runs[i++].n) {
+            for (std::size_t j = 0; j < runs[i].n; ++j) {
+              const position_t pos = runs[i].first + static_cast<position_t>(j);
+              if (!mask.visible(rows[r0 + r].pos, pos)) sr[at + j] = neg_inf;
             }
           }
-          const float tile_max = *std::max_element(sr, sr + nk);
-          if (tile_max == neg_inf) {
-            std::fill(sr, sr + nk, 0.0f);
-            continue;
-          }
-          float& m = row_max[r0 + r];
-          const float m_new = std::max(m, tile_max);
-          if (m != neg_inf && m_new != m) {
-            const float correction = std::exp(m - m_new);
-            row_sum[r0 + r] *= correction;
-            Ops::scale(acc + (r0 + r) * d, d, correction);
-          }
-          m = m_new;
-          for (std::size_t j = 0; j < nk; ++j) sr[j] -= m_new;
-          row_sum[r0 + r] += Ops::exp_sum(sr, nk);
         }
-        Ops::pv(s, kTile, sub, vbase + offset, nk, d, acc + r0 * d);
+        const float tile_max = *std::max_element(sr, sr + nk);
+        if (tile_max == neg_inf) {
+          std::fill(sr, sr + nk, 0.0f);
+          continue;
+        }
+        float& m = row_max[r0 + r];
+        const float m_new = std::max(m, tile_max);
+        if (m != neg_inf && m_new != m) {
+          const float correction = std::exp(m - m_new);
+          row_sum[r0 + r] *= correction;
+          Ops::scale(acc + (r0 + r) * d, d, correction);
+        }
+        m = m_new;
+        for (std::size_t j = 0; j < nk; ++j) sr[j] -= m_new;
+        row_sum[r0 + r] += Ops::exp_sum(sr, nk);
+      }
+      for (std::size_t i = 0, at = 0; i < num_runs; at += runs[i++].n) {
+        Ops::pv(s + at, kTile, sub, runs[i].v, runs[i].n, d, acc + r0 * d);
       }
     }
   }

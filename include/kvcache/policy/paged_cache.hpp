@@ -1,0 +1,814 @@
+// SPDX-License-Identifier: Apache-2.0
+// PagedCache: a fixed pool of KV blocks shared by many sequences through block tables, with
+// automatic prefix caching (a new prompt reuses the cached blocks of its longest cached prefix),
+// reference counts, LRU eviction, copy-on-write, fork and beam reordering, safe across threads.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kvcache/core/buffer.hpp"
+#include "kvcache/core/cache_concept.hpp"
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/prefix_cache_concept.hpp"
+#include "kvcache/core/tensor.hpp"
+#include "kvcache/core/view.hpp"
+#include "kvcache/prefix/block_pool.hpp"
+#include "kvcache/prefix/prefix_index.hpp"
+#include "kvcache/prefix/types.hpp"
+
+namespace kvcache {
+
+/// Construction parameters of a PagedCache.
+struct PagedCacheConfig {
+  std::size_t num_layers = 0;
+  std::size_t num_kv_heads = 0;
+  std::size_t head_dim = 0;
+  /// Blocks in the pool (>= 1), shared by every sequence; a block holds block_size tokens of
+  /// every layer. memory_bytes() == kv_cache_bytes(shape, num_blocks * block_size).
+  std::size_t num_blocks = 0;
+  /// Tokens per block (>= 1): the unit of allocation, sharing and prefix matching.
+  std::size_t block_size = 16;
+  /// Sequence slots: sequences are 0 .. max_batch - 1, each empty until used.
+  std::size_t max_batch = 1;
+  /// Largest length of one sequence; 0 means num_blocks * block_size. Each slot's block table
+  /// and token-id buffer are allocated for it at construction: about
+  /// max_batch * max_seq_len * (4 + 12 / block_size) bytes besides the pool.
+  std::size_t max_seq_len = 0;
+  /// Index full blocks by their token ids so that later prompts reuse them (admit()).
+  bool enable_prefix_caching = true;
+  /// Opt-in: when an operation needs more blocks than are free, evict cached (unreferenced)
+  /// blocks, least recently released first, instead of throwing pool_exhausted_error.
+  bool evict_when_full = false;
+};
+
+/// A view over one layer of one paged sequence: one segment per block, read in place from the
+/// pool (no gather). Block i of the table holds positions [i * block_size, (i + 1) * block_size)
+/// clipped to length; its K is [num_kv_heads][block_size][head_dim], V follows.
+template <Element T>
+class PagedView {
+ public:
+  using value_type = T;
+
+  PagedView() = default;
+  /// `layer_base`: the layer's first block; blocks are `block_elems` elements apart.
+  PagedView(const T* layer_base, const block_id* table, std::size_t block_size,
+            std::size_t block_elems, std::size_t num_kv_heads, std::size_t head_dim,
+            position_t length) noexcept
+      : layer_base_(layer_base),
+        table_(table),
+        block_size_(block_size),
+        block_elems_(block_elems),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        length_(length) {}
+
+  [[nodiscard]] std::size_t num_kv_heads() const noexcept { return num_kv_heads_; }
+  [[nodiscard]] std::size_t head_dim() const noexcept { return head_dim_; }
+  [[nodiscard]] position_t length() const noexcept { return length_; }
+  [[nodiscard]] position_t sink_end() const noexcept { return 0; }
+  [[nodiscard]] position_t recent_begin() const noexcept { return 0; }
+  [[nodiscard]] std::size_t block_size() const noexcept { return block_size_; }
+  [[nodiscard]] std::size_t num_segments() const noexcept {
+    return (static_cast<std::size_t>(length_) + block_size_ - 1) / block_size_;
+  }
+  /// The block ids behind the segments.
+  [[nodiscard]] std::span<const block_id> block_table() const noexcept {
+    return {table_, num_segments()};
+  }
+  [[nodiscard]] KVSegment<T> segment(std::size_t i) const noexcept {
+    const T* k = layer_base_ + std::size_t{table_[i]} * block_elems_;
+    const std::size_t first = i * block_size_;
+    return {k, k + num_kv_heads_ * block_size_ * head_dim_, block_size_ * head_dim_,
+            static_cast<position_t>(first),
+            std::min(block_size_, static_cast<std::size_t>(length_) - first)};
+  }
+
+ private:
+  const T* layer_base_ = nullptr;
+  const block_id* table_ = nullptr;
+  std::size_t block_size_ = 1;
+  std::size_t block_elems_ = 0;
+  std::size_t num_kv_heads_ = 0;
+  std::size_t head_dim_ = 0;
+  position_t length_ = 0;
+};
+
+static_assert(KVView<PagedView<float>>);
+
+/// Paged KV cache with automatic prefix caching.
+///
+/// Storage: one allocation at construction, [layer][block][K, V][kv_head][block_size][head_dim],
+/// so a layer's blocks form one array (what a GPU kernel takes with a block table) and a segment's
+/// heads are block_size * head_dim apart. Every slot's block table and token-id buffer are
+/// allocated then too; afterwards no operation allocates except reorder() and error messages.
+///
+/// Sequences and blocks. A sequence's block table lists the blocks holding its positions, block
+/// i holding [i * block_size, (i + 1) * block_size) of every layer. Layers fill independently
+/// (append is per layer); the table covers the longest layer. A block has a reference count (the
+/// table entries naming it). A sequence writes only into blocks it alone holds and that are not
+/// indexed; appending into any other block (shared after fork() or admit(), or indexed) first
+/// copies it (copy-on-write), so the other holders see no change.
+///
+/// Token ids and commitment. A sequence also has token ids: admit() registers the whole prompt,
+/// add_tokens() further ones (each sampled token), before or after their K/V. Block i is
+/// *committed* once it is full in every layer and the ids of all its positions are registered:
+/// its K/V is then final. Committed blocks are indexed (in order: block i after block i - 1) at
+/// the end of the append() or add_tokens() that completes them; if an equal block (same prefix,
+/// same ids) is already indexed, the sequence switches to that one and frees its own copy. Only
+/// a block the sequence holds alone is inserted; one still shared with a fork (forked before it
+/// was committed) waits until the others have copied or released it. Appending K/V without ever
+/// registering ids is allowed: such blocks are never indexed. The caller's contract: the id
+/// registered for position p is the token whose K/V is at p.
+///
+/// Prefix index (see PrefixIndex): a trie of committed blocks keyed by (parent block, ids),
+/// through a chained hash, every hit confirmed by comparing ids. admit() walks it and shares the
+/// longest match. When the last holder of an indexed block lets go it stays indexed as *cached*
+/// (evictable); eviction takes the least recently released cached block. Every holder of an
+/// indexed block holds its parent too (blocks are shared as whole prefixes, and only blocks held
+/// alone are inserted), and releases children before parents, so the LRU front is always a leaf
+/// of the trie and every cached block is evictable (eviction still only ever removes leaves;
+/// check_consistency() verifies the order).
+///
+/// Pool exhaustion: an operation that needs more blocks than are free throws
+/// pool_exhausted_error (a capacity_error naming blocks needed, free and evictable) and changes
+/// nothing, unless config.evict_when_full lets it evict cached blocks first.
+///
+/// Thread safety. Operations on *different* sequences may run concurrently from any threads:
+/// admit, append, add_tokens, view, crop, reset/release, fork(src, dst) (which reads src and
+/// writes dst; several forks may read one src at once) and the per-sequence queries
+/// (layer_length, seq_length, tokens, block_table). match_prefix, evict_cached, stats,
+/// ref_count and the const shape queries are safe at any time. Operations on the *same*
+/// sequence must not overlap unless all of them are reads. reorder() counts as an operation on
+/// every sequence it names; check_consistency() needs no concurrent mutation. One mutex guards
+/// the shared block metadata (pool, index, counters); it is held for O(blocks touched), never
+/// while K/V rows are written or read, and a thread writes only blocks it holds alone. A view is
+/// valid until the next mutating call on its own sequence; other sequences' operations never
+/// invalidate it.
+template <Element T, BlockHasher Hasher = DefaultBlockHasher>
+class PagedCache {
+ public:
+  using value_type = T;
+  using view_type = PagedView<T>;
+  using hasher_type = Hasher;
+
+  /// Allocates the pool, block tables and id buffers.
+  /// @throws shape_error for a zero num_layers, num_kv_heads, head_dim, num_blocks, block_size
+  ///         or max_batch, or num_blocks >= 2^32 - 1; capacity_error if a size overflows;
+  ///         std::bad_alloc.
+  explicit PagedCache(const PagedCacheConfig& config, Hasher hasher = {})
+      : shape_{config.num_layers, config.num_kv_heads, config.head_dim, dtype_of<T>},
+        num_blocks_(config.num_blocks),
+        block_size_(config.block_size),
+        max_batch_(config.max_batch),
+        prefix_caching_(config.enable_prefix_caching),
+        evict_when_full_(config.evict_when_full) {
+    detail::require_nonzero(config.num_layers, kName, "num_layers");
+    detail::require_nonzero(config.num_kv_heads, kName, "num_kv_heads");
+    detail::require_nonzero(config.head_dim, kName, "head_dim");
+    detail::require_nonzero(config.num_blocks, kName, "num_blocks");
+    detail::require_nonzero(config.block_size, kName, "block_size");
+    detail::require_nonzero(config.max_batch, kName, "max_batch");
+    const std::size_t pool_tokens = detail::checked_mul(num_blocks_, block_size_, kName);
+    max_seq_len_ = config.max_seq_len == 0 ? pool_tokens : config.max_seq_len;
+    max_blocks_per_seq_ = (max_seq_len_ + block_size_ - 1) / block_size_;
+    block_elems_ = kv_cache_bytes(1, shape_.num_kv_heads, shape_.head_dim, block_size_, 1);
+    layer_elems_ = detail::checked_mul(num_blocks_, block_elems_, kName);
+    shared_ = std::make_unique<Shared>(num_blocks_, block_size_, std::move(hasher));
+    storage_ = AlignedBuffer<T>(kv_cache_bytes(shape_, pool_tokens) / sizeof(T));
+    seqs_.resize(max_batch_);
+    tables_.assign(detail::checked_mul(max_batch_, max_blocks_per_seq_, kName), kNoBlock);
+    cow_.resize(tables_.size());
+    tokens_.assign(detail::checked_mul(max_batch_, max_seq_len_, kName), 0);
+    lengths_.assign(detail::checked_mul(max_batch_, shape_.num_layers, kName), 0);
+  }
+
+  PagedCache(PagedCache&&) noexcept = default;  ///< a moved-from cache may only be destroyed
+  PagedCache& operator=(PagedCache&&) noexcept = default;
+
+  // ---- CacheConcept ----------------------------------------------------------------------
+
+  /// Appends n = k.num_tokens tokens to `layer` of `seq` (CacheConcept requirement 2), taking
+  /// new blocks from the pool and copying shared or indexed blocks it writes into. Then indexes
+  /// the blocks this completes (see "Token ids and commitment"). Never allocates.
+  /// O(n * num_kv_heads * head_dim), plus O(num_layers * block) per copied block.
+  /// @throws layer_error, batch_error, shape_error, capacity_error (past max_seq_len),
+  ///         pool_exhausted_error; the cache is unchanged on throw.
+  template <class U>
+  requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
+  float > void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
+    using In = TokenBlock<const std::remove_const_t<U>>;
+    const In kin = k, vin = v;
+    detail::check_layer(kName, layer, shape_.num_layers);
+    detail::check_seq(kName, seq, max_batch_);
+    const std::size_t n = detail::check_kv_input(kName, shape_, kin, vin);
+    std::size_t& len = lengths_[seq * shape_.num_layers + layer];
+    if (n > max_seq_len_ - len) {
+      throw capacity_error(detail::message(kName, ": append of ", n, " tokens to sequence ", seq,
+                                           " layer ", layer, " exceeds max_seq_len ", max_seq_len_,
+                                           " (holds ", len, ")"));
+    }
+    Sequence& s = seqs_[seq];
+    block_id* table = table_of(seq);
+    CowEntry* cow = cow_.data() + seq * max_blocks_per_seq_;
+    const std::size_t first = len / block_size_;
+    const std::size_t end = (len + n + block_size_ - 1) / block_size_;
+    std::size_t num_cow = 0;
+    {
+      std::lock_guard lock(shared_->mutex);
+      BlockPool& pool = shared_->pool;
+      for (std::size_t i = first; i < std::min(end, s.num_blocks); ++i) {
+        if (!writable(pool, table[i])) ++num_cow;
+      }
+      const std::size_t fresh = end > s.num_blocks ? end - s.num_blocks : 0;
+      reserve_locked(fresh + num_cow, [&] {
+        return detail::message(kName, ": append of ", n, " tokens to sequence ", seq, " layer ",
+                               layer, " (holds ", len, ")");
+      });
+      for (std::size_t i = first, c = 0; c < num_cow; ++i) {
+        if (writable(pool, table[i])) continue;
+        cow[c++] = {i, table[i]};
+        table[i] = pool.allocate();
+      }
+      for (std::size_t i = s.num_blocks; i < end; ++i) table[i] = pool.allocate();
+      s.num_blocks = std::max(s.num_blocks, end);
+      shared_->cow_copies += num_cow;
+    }
+    if (num_cow != 0) {
+      // The old blocks are still held (their counts were not dropped), so nobody can evict or
+      // reuse them while they are copied; the new ones are this sequence's alone.
+      for (std::size_t c = 0; c < num_cow; ++c) {
+        copy_block(seq, cow[c].index, cow[c].from, table[cow[c].index]);
+      }
+      std::lock_guard lock(shared_->mutex);
+      for (std::size_t c = num_cow; c-- > 0;) shared_->pool.release(cow[c].from);
+    }
+    write_rows(layer, table, len, kin, vin);
+    len += n;
+    commit(seq);
+  }
+
+  /// View over `layer` of `seq`: one segment per block. O(1). @throws layer_error, batch_error.
+  [[nodiscard]] view_type view(std::size_t layer, std::size_t seq) const {
+    const std::size_t len = layer_length(layer, seq);
+    return view_type(storage_.data() + layer * layer_elems_, table_of(seq), block_size_,
+                     block_elems_, shape_.num_kv_heads, shape_.head_dim,
+                     static_cast<position_t>(len));
+  }
+
+  [[nodiscard]] std::size_t layer_length(std::size_t layer, std::size_t seq) const {
+    detail::check_layer(kName, layer, shape_.num_layers);
+    detail::check_seq(kName, seq, max_batch_);
+    return lengths_[seq * shape_.num_layers + layer];
+  }
+  [[nodiscard]] std::size_t seq_length(std::size_t seq) const { return layer_length(0, seq); }
+  /// The largest length of one sequence (max_seq_len).
+  [[nodiscard]] std::size_t capacity() const noexcept { return max_seq_len_; }
+  [[nodiscard]] std::size_t max_batch() const noexcept { return max_batch_; }
+  [[nodiscard]] CacheShape shape() const noexcept { return shape_; }
+  /// Bytes of the block pool (all of it, from construction on).
+  [[nodiscard]] std::size_t memory_bytes() const noexcept { return storage_.bytes(); }
+
+  /// True when crop(seq, n) would succeed: n <= seq_length(seq). @throws batch_error.
+  [[nodiscard]] bool can_crop(std::size_t seq, std::size_t n) const { return n <= seq_length(seq); }
+
+  /// Rolls every layer of `seq` back to at most n tokens and its token ids to at most n ids
+  /// (dropping ids registered ahead of their K/V), releasing the blocks no layer needs any
+  /// more. O(num_layers + released blocks). Never allocates.
+  /// @throws batch_error, position_error (n > seq_length); unchanged on throw.
+  void crop(std::size_t seq, std::size_t n) {
+    detail::check_crop_length(kName, seq, n, seq_length(seq));
+    Sequence& s = seqs_[seq];
+    std::size_t longest = 0;
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      longest = std::max(longest, std::min(lengths_[seq * shape_.num_layers + l], n));
+    }
+    const std::size_t keep = (longest + block_size_ - 1) / block_size_;
+    if (keep < s.num_blocks) {
+      std::lock_guard lock(shared_->mutex);
+      release_blocks_locked(seq, keep);
+    }
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      std::size_t& len = lengths_[seq * shape_.num_layers + l];
+      len = std::min(len, n);
+    }
+    s.num_blocks = std::min(s.num_blocks, keep);
+    s.num_tokens = std::min(s.num_tokens, n);
+    s.committed = std::min(s.committed, n / block_size_);
+  }
+
+  /// CacheConcept's name for release(). @throws batch_error.
+  void reset(std::size_t seq) { release(seq); }
+
+  // ---- Prefix caching (PrefixCacheConcept) -----------------------------------------------
+
+  /// Starts the empty sequence `seq` with `prompt`: registers its ids and shares the blocks of
+  /// the longest cached prefix. Returns m, the number of leading prompt tokens whose K/V every
+  /// layer now holds: a multiple of block_size, except that m < prompt.size() always (when the
+  /// whole prompt is cached, its last token is left to run, for its logits). The caller appends
+  /// K/V for prompt[m..] layer by layer; those blocks are indexed as they complete. Never
+  /// allocates. O(prompt.size() + num_layers) (with the default hasher).
+  /// @post seq_length(seq) == m, tokens(seq) == prompt.
+  /// @throws batch_error; position_error when seq is not empty; capacity_error when the prompt
+  ///         exceeds max_seq_len. Unchanged on throw.
+  [[nodiscard]] std::size_t admit(std::size_t seq, std::span<const token_id> prompt) {
+    detail::check_seq(kName, seq, max_batch_);
+    require_empty("admit to", seq);
+    if (prompt.size() > max_seq_len_) {
+      throw capacity_error(detail::message(kName, ": admit of a ", prompt.size(),
+                                           "-token prompt to sequence ", seq,
+                                           " exceeds max_seq_len ", max_seq_len_));
+    }
+    Sequence& s = seqs_[seq];
+    block_id* table = table_of(seq);
+    std::size_t cached = 0;
+    {
+      std::lock_guard lock(shared_->mutex);
+      if (prefix_caching_) {
+        const std::size_t m =
+            shared_->index.match(prompt, std::span<block_id>(table, max_blocks_per_seq_));
+        cached = std::min(m * block_size_, prompt.empty() ? 0 : prompt.size() - 1);
+        s.num_blocks = (cached + block_size_ - 1) / block_size_;
+        for (std::size_t i = 0; i < s.num_blocks; ++i) shared_->pool.acquire(table[i]);
+      }
+      ++shared_->prompts;
+      shared_->prompt_tokens += prompt.size();
+      shared_->reused_tokens += cached;
+    }
+    std::ranges::copy(prompt, table_tokens(seq));
+    s.num_tokens = prompt.size();
+    s.committed = cached / block_size_;
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      lengths_[seq * shape_.num_layers + l] = cached;
+    }
+    return cached;
+  }
+
+  /// How many leading tokens of `ids` are cached right now: a multiple of block_size. Changes
+  /// nothing (statistics included). O(ids.size()) with the default hasher.
+  [[nodiscard]] std::size_t match_prefix(std::span<const token_id> ids) const {
+    if (!prefix_caching_) return 0;
+    std::lock_guard lock(shared_->mutex);
+    return shared_->index.matched_blocks(ids) * block_size_;
+  }
+
+  /// Registers the ids of the tokens at positions tokens(seq).size() .. + ids.size() - 1, then
+  /// indexes the blocks this completes. Never allocates. O(ids.size()).
+  /// @throws batch_error; capacity_error past max_seq_len. Unchanged on throw.
+  void add_tokens(std::size_t seq, std::span<const token_id> ids) {
+    detail::check_seq(kName, seq, max_batch_);
+    Sequence& s = seqs_[seq];
+    if (ids.size() > max_seq_len_ - s.num_tokens) {
+      throw capacity_error(detail::message(kName, ": add_tokens of ", ids.size(),
+                                           " ids to sequence ", seq, " exceeds max_seq_len ",
+                                           max_seq_len_, " (holds ", s.num_tokens, " ids)"));
+    }
+    std::ranges::copy(ids, table_tokens(seq) + s.num_tokens);
+    s.num_tokens += ids.size();
+    commit(seq);
+  }
+
+  /// The token ids registered for `seq`. @throws batch_error.
+  [[nodiscard]] std::span<const token_id> tokens(std::size_t seq) const {
+    detail::check_seq(kName, seq, max_batch_);
+    return {tokens_.data() + seq * max_seq_len_, seqs_[seq].num_tokens};
+  }
+
+  /// Makes the empty sequence `dst` a copy of `src` sharing all of its blocks (parallel
+  /// sampling, beam search); the first append of either into a shared block copies that block.
+  /// Never allocates or needs a free block. O(blocks + tokens + num_layers).
+  /// @throws batch_error (an index out of range, or src == dst); position_error when dst is not
+  ///         empty. Unchanged on throw.
+  void fork(std::size_t src, std::size_t dst) {
+    detail::check_seq(kName, src, max_batch_);
+    detail::check_seq(kName, dst, max_batch_);
+    if (src == dst) {
+      throw batch_error(detail::message(kName, ": fork of sequence ", src, " into itself"));
+    }
+    require_empty("fork into", dst);
+    const Sequence& s = seqs_[src];
+    {
+      std::lock_guard lock(shared_->mutex);
+      for (std::size_t i = 0; i < s.num_blocks; ++i) shared_->pool.acquire(table_of(src)[i]);
+    }
+    std::copy(table_of(src), table_of(src) + s.num_blocks, table_of(dst));
+    std::copy(table_tokens(src), table_tokens(src) + s.num_tokens, table_tokens(dst));
+    std::copy_n(lengths_.begin() + static_cast<std::ptrdiff_t>(src * shape_.num_layers),
+                shape_.num_layers,
+                lengths_.begin() + static_cast<std::ptrdiff_t>(dst * shape_.num_layers));
+    seqs_[dst] = s;
+  }
+
+  /// Beam reordering on block tables: for every i at once, sequence dst[i] becomes a copy of
+  /// what sequence src[i] was before the call (sharing its blocks; nothing is copied but block
+  /// ids, token ids and lengths). Sequences not named in dst are unchanged. Allocates a
+  /// snapshot of the sources. O(sum of their blocks + tokens).
+  /// @throws shape_error (dst.size() != src.size()); batch_error (an index out of range, or an
+  ///         index twice in dst); std::bad_alloc. Unchanged on throw.
+  void reorder(std::span<const std::size_t> dst, std::span<const std::size_t> src) {
+    if (dst.size() != src.size()) {
+      throw shape_error(detail::message(kName, ": reorder of ", dst.size(), " sequences from ",
+                                        src.size(), " sources"));
+    }
+    std::vector<bool> seen(max_batch_, false);
+    for (std::size_t i = 0; i < dst.size(); ++i) {
+      detail::check_seq(kName, dst[i], max_batch_);
+      detail::check_seq(kName, src[i], max_batch_);
+      if (seen[dst[i]]) {
+        throw batch_error(
+            detail::message(kName, ": reorder names sequence ", dst[i], " twice as a destination"));
+      }
+      seen[dst[i]] = true;
+    }
+    struct Snapshot {
+      Sequence seq;
+      std::vector<block_id> table;
+      std::vector<token_id> ids;
+      std::vector<std::size_t> lengths;
+    };
+    std::vector<Snapshot> snap;
+    snap.reserve(src.size());
+    for (std::size_t from : src) {
+      const Sequence& s = seqs_[from];
+      snap.push_back(
+          {s,
+           {table_of(from), table_of(from) + s.num_blocks},
+           {table_tokens(from), table_tokens(from) + s.num_tokens},
+           {lengths_.begin() + static_cast<std::ptrdiff_t>(from * shape_.num_layers),
+            lengths_.begin() + static_cast<std::ptrdiff_t>((from + 1) * shape_.num_layers)}});
+    }
+    {
+      std::lock_guard lock(shared_->mutex);
+      for (const Snapshot& sn : snap) {
+        for (block_id b : sn.table) shared_->pool.acquire(b);
+      }
+      for (std::size_t to : dst) release_blocks_locked(to, 0);
+    }
+    for (std::size_t i = 0; i < dst.size(); ++i) {
+      const Snapshot& sn = snap[i];
+      std::ranges::copy(sn.table, table_of(dst[i]));
+      std::ranges::copy(sn.ids, table_tokens(dst[i]));
+      std::ranges::copy(sn.lengths,
+                        lengths_.begin() + static_cast<std::ptrdiff_t>(dst[i] * shape_.num_layers));
+      seqs_[dst[i]] = sn.seq;
+    }
+  }
+
+  /// Forgets `seq`: length 0 in every layer, no ids; its blocks lose a holder, and those no
+  /// sequence holds become cached (indexed ones, reusable by later prompts) or free. Never
+  /// allocates. O(blocks + num_layers). @throws batch_error.
+  void release(std::size_t seq) {
+    detail::check_seq(kName, seq, max_batch_);
+    {
+      std::lock_guard lock(shared_->mutex);
+      release_blocks_locked(seq, 0);
+    }
+    seqs_[seq] = {};
+    std::fill_n(lengths_.begin() + static_cast<std::ptrdiff_t>(seq * shape_.num_layers),
+                shape_.num_layers, 0);
+  }
+
+  /// Evicts up to max_blocks cached blocks, least recently released first; returns how many.
+  /// Never allocates. O(evicted).
+  std::size_t evict_cached(std::size_t max_blocks) {
+    std::lock_guard lock(shared_->mutex);
+    std::size_t done = 0;
+    for (; done < max_blocks && shared_->pool.num_cached() != 0; ++done) evict_one_locked();
+    return done;
+  }
+
+  /// Pool occupancy and prefix-cache counters, read together under the lock. O(1).
+  [[nodiscard]] PrefixCacheStats stats() const {
+    std::lock_guard lock(shared_->mutex);
+    const Shared& sh = *shared_;
+    return {.block_size = block_size_,
+            .blocks_total = num_blocks_,
+            .blocks_used = sh.pool.num_used(),
+            .blocks_cached = sh.pool.num_cached(),
+            .blocks_free = sh.pool.num_free(),
+            .prompts = sh.prompts,
+            .prompt_tokens = sh.prompt_tokens,
+            .reused_tokens = sh.reused_tokens,
+            .evictions = sh.evictions,
+            .cow_copies = sh.cow_copies};
+  }
+
+  // ---- Inspection ------------------------------------------------------------------------
+
+  [[nodiscard]] std::size_t block_size() const noexcept { return block_size_; }
+  [[nodiscard]] std::size_t num_blocks() const noexcept { return num_blocks_; }
+  [[nodiscard]] bool prefix_caching() const noexcept { return prefix_caching_; }
+
+  /// The blocks `seq` holds, in position order. Valid until its next mutating call.
+  /// @throws batch_error.
+  [[nodiscard]] std::span<const block_id> block_table(std::size_t seq) const {
+    detail::check_seq(kName, seq, max_batch_);
+    return {table_of(seq), seqs_[seq].num_blocks};
+  }
+
+  /// How many block-table entries name block b. @throws shape_error unless b < num_blocks.
+  [[nodiscard]] std::size_t ref_count(block_id b) const {
+    if (b >= num_blocks_) {
+      throw shape_error(detail::message(kName, ": block ", static_cast<std::size_t>(b),
+                                        " out of range (num_blocks ", num_blocks_, ")"));
+    }
+    std::lock_guard lock(shared_->mutex);
+    return shared_->pool.ref_count(b);
+  }
+
+  /// Checks every internal invariant: each block exactly one of free, used, cached; reference
+  /// counts equal to table entries; tables as long as the longest layer; committed blocks
+  /// indexed under the sequence's own prefix and ids; index links and child counts; LRU order
+  /// children-before-parents. Returns "" or a description of the first violation. For tests;
+  /// needs no concurrent mutation. O(num_blocks + max_batch * (blocks + num_layers)).
+  [[nodiscard]] std::string check_consistency() const {
+    std::lock_guard lock(shared_->mutex);
+    const BlockPool& pool = shared_->pool;
+    const PrefixIndex<Hasher>& index = shared_->index;
+    using detail::message;
+    std::vector<std::size_t> refs(num_blocks_, 0), lru_rank(num_blocks_, 0);
+    std::vector<bool> on_free(num_blocks_, false);
+    for (block_id b : pool.free_list()) {
+      if (on_free[b]) return message("block ", std::size_t{b}, " twice on the free list");
+      on_free[b] = true;
+    }
+    std::size_t rank = 0;
+    for (block_id b = pool.lru().front(); b != kNoBlock; b = pool.lru().next(b)) {
+      lru_rank[b] = ++rank;
+    }
+    for (std::size_t q = 0; q < max_batch_; ++q) {
+      const Sequence& s = seqs_[q];
+      std::size_t longest = 0, shortest = max_seq_len_;
+      for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+        longest = std::max(longest, lengths_[q * shape_.num_layers + l]);
+        shortest = std::min(shortest, lengths_[q * shape_.num_layers + l]);
+      }
+      if (s.num_blocks != (longest + block_size_ - 1) / block_size_) {
+        return message("sequence ", q, " holds ", s.num_blocks, " blocks for ", longest, " tokens");
+      }
+      if (s.committed * block_size_ > std::min(shortest, s.num_tokens)) {
+        return message("sequence ", q, " has ", s.committed, " committed blocks but ", shortest,
+                       " tokens in its shortest layer and ", s.num_tokens, " ids");
+      }
+      for (std::size_t i = 0; i < s.num_blocks; ++i) {
+        const block_id b = table_of(q)[i];
+        if (b >= num_blocks_ || on_free[b] || lru_rank[b] != 0) {
+          return message("sequence ", q, " block ", i, " is ", std::size_t{b},
+                         ", which is free, cached or out of range");
+        }
+        ++refs[b];
+        if (i < s.committed) {
+          const block_id parent = i == 0 ? kNoBlock : table_of(q)[i - 1];
+          const auto ids = tokens(q).subspan(i * block_size_, block_size_);
+          if (!index.contains(b) || index.find(parent, ids) != b) {
+            return message("sequence ", q, " committed block ", i, " (", std::size_t{b},
+                           ") is not indexed under its prefix");
+          }
+        }
+      }
+    }
+    std::vector<std::size_t> children(num_blocks_, 0);
+    for (std::size_t b = 0; b < num_blocks_; ++b) {
+      const auto id = static_cast<block_id>(b);
+      if (refs[b] != pool.ref_count(id)) {
+        return message("block ", b, " has reference count ", std::size_t{pool.ref_count(id)},
+                       " but ", refs[b], " table entries");
+      }
+      const bool used = refs[b] != 0, cached = lru_rank[b] != 0;
+      if (int{used} + int{cached} + int{on_free[b]} != 1) {
+        return message("block ", b, " is not exactly one of free, used, cached");
+      }
+      if (index.contains(id) != pool.indexed(id) || (cached && !index.contains(id)) ||
+          (on_free[b] && index.contains(id))) {
+        return message("block ", b, " index membership disagrees with its state");
+      }
+      if (!index.contains(id)) continue;
+      if (index.find(index.parent(id), index.tokens(id)) != id) {
+        return message("indexed block ", b, " is not found under its own key");
+      }
+      const block_id parent = index.parent(id);
+      if (parent != kNoBlock) {
+        if (!index.contains(parent)) return message("indexed block ", b, " has a lost parent");
+        ++children[parent];
+        if (cached && lru_rank[parent] != 0 && lru_rank[parent] < lru_rank[b]) {
+          return message("cached block ", b, " would be evicted after its parent");
+        }
+        if (used && refs[parent] == 0) {
+          return message("used block ", b, " has an unreferenced parent");
+        }
+      }
+    }
+    for (std::size_t b = 0; b < num_blocks_; ++b) {
+      if (children[b] != index.num_children(static_cast<block_id>(b))) {
+        return message("block ", b, " child count is wrong");
+      }
+    }
+    return {};
+  }
+
+ private:
+  static constexpr const char* kName = "PagedCache";
+
+  struct Sequence {
+    std::size_t num_blocks = 0;  // table entries in use
+    std::size_t num_tokens = 0;  // ids registered
+    std::size_t committed = 0;   // leading blocks that are indexed under this sequence's prefix
+  };
+
+  // A block-table entry being copied on write: its index and the shared block it held.
+  struct CowEntry {
+    std::size_t index = 0;
+    block_id from = kNoBlock;
+  };
+
+  // Everything threads share, behind one mutex (and one pointer, so the cache stays movable).
+  struct Shared {
+    Shared(std::size_t num_blocks, std::size_t block_size, Hasher hasher)
+        : pool(num_blocks), index(num_blocks, block_size, std::move(hasher)) {}
+    std::mutex mutex;
+    BlockPool pool;
+    PrefixIndex<Hasher> index;
+    std::size_t prompts = 0;
+    std::size_t prompt_tokens = 0;
+    std::size_t reused_tokens = 0;
+    std::size_t evictions = 0;
+    std::size_t cow_copies = 0;
+  };
+
+  [[nodiscard]] block_id* table_of(std::size_t seq) noexcept {
+    return tables_.data() + seq * max_blocks_per_seq_;
+  }
+  [[nodiscard]] const block_id* table_of(std::size_t seq) const noexcept {
+    return tables_.data() + seq * max_blocks_per_seq_;
+  }
+  [[nodiscard]] token_id* table_tokens(std::size_t seq) noexcept {
+    return tokens_.data() + seq * max_seq_len_;
+  }
+  [[nodiscard]] const token_id* table_tokens(std::size_t seq) const noexcept {
+    return tokens_.data() + seq * max_seq_len_;
+  }
+
+  // A sequence may write into a block only when it alone holds it and no index refers to it.
+  [[nodiscard]] static bool writable(const BlockPool& pool, block_id b) noexcept {
+    return pool.ref_count(b) == 1 && !pool.indexed(b);
+  }
+
+  void require_empty(const char* op, std::size_t seq) const {
+    const Sequence& s = seqs_[seq];
+    if (s.num_blocks != 0 || s.num_tokens != 0 || seq_length(seq) != 0) {
+      throw position_error(detail::message(kName, ": ", op, " sequence ", seq, ", which holds ",
+                                           seq_length(seq), " tokens and ", s.num_tokens,
+                                           " ids; release it first"));
+    }
+  }
+
+  // Makes `needed` blocks allocatable, evicting cached ones where the caller opted in.
+  // @throws pool_exhausted_error (message: describe() + the numbers); nothing changed then.
+  template <class Describe>
+  void reserve_locked(std::size_t needed, Describe&& describe) {
+    BlockPool& pool = shared_->pool;
+    const std::size_t free = pool.num_free(), cached = pool.num_cached();
+    if (needed <= free) return;
+    if (evict_when_full_ && needed <= free + cached) {
+      for (std::size_t i = free; i < needed; ++i) evict_one_locked();
+      return;
+    }
+    throw pool_exhausted_error(
+        detail::message(describe(), " needs ", needed, " blocks but the pool of ", num_blocks_,
+                        " has ", free, " free and ", cached, " evictable",
+                        evict_when_full_ ? ""
+                                         : " (eviction is off: set evict_when_full or call "
+                                           "evict_cached)"),
+        needed, free, cached);
+  }
+
+  // Evicts the least recently released cached block that is a leaf of the index (the LRU front,
+  // by the ordering argument in the class comment). @pre num_cached() > 0.
+  void evict_one_locked() noexcept {
+    BlockPool& pool = shared_->pool;
+    block_id b = pool.lru().front();
+    while (shared_->index.num_children(b) != 0) b = pool.lru().next(b);
+    shared_->index.erase(b);
+    pool.evict(b);
+    ++shared_->evictions;
+  }
+
+  // Drops seq's hold on table entries [keep, num_blocks), last first (children before parents).
+  void release_blocks_locked(std::size_t seq, std::size_t keep) noexcept {
+    const block_id* table = table_of(seq);
+    for (std::size_t i = seqs_[seq].num_blocks; i-- > keep;) shared_->pool.release(table[i]);
+  }
+
+  // Copies what every layer of seq holds in its block `index` from block `from` into `to`.
+  void copy_block(std::size_t seq, std::size_t index, block_id from, block_id to) noexcept {
+    const std::size_t d = shape_.head_dim, head_elems = block_size_ * d;
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      const std::size_t len = lengths_[seq * shape_.num_layers + l];
+      const std::size_t begin = index * block_size_;
+      const std::size_t rows = len <= begin ? 0 : std::min(block_size_, len - begin);
+      if (rows == 0) continue;
+      const T* src = storage_.data() + l * layer_elems_ + std::size_t{from} * block_elems_;
+      T* dst = storage_.data() + l * layer_elems_ + std::size_t{to} * block_elems_;
+      for (std::size_t h = 0; h < 2 * shape_.num_kv_heads; ++h) {  // K heads, then V heads
+        std::copy_n(src + h * head_elems, rows * d, dst + h * head_elems);
+      }
+    }
+  }
+
+  // Writes tokens [len, len + n) of one layer into the (writable) blocks of `table`.
+  template <class U>
+  void write_rows(std::size_t layer, const block_id* table, std::size_t len,
+                  const TokenBlock<const U>& k, const TokenBlock<const U>& v) noexcept {
+    const std::size_t d = shape_.head_dim, head_elems = block_size_ * d;
+    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
+    T* layer_base = storage_.data() + layer * layer_elems_;
+    for (std::size_t done = 0; done < k.num_tokens;) {
+      const std::size_t pos = len + done;
+      const std::size_t in_block = pos % block_size_;
+      const std::size_t run = std::min(k.num_tokens - done, block_size_ - in_block);
+      T* base = layer_base + std::size_t{table[pos / block_size_]} * block_elems_;
+      for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
+        T* kdst = base + h * head_elems + in_block * d;
+        detail::store_rows(kdst, k, done, run, h);
+        detail::store_rows(kdst + v_offset, v, done, run, h);
+      }
+      done += run;
+    }
+  }
+
+  // Indexes the blocks of seq that are now committed (full in every layer, ids registered),
+  // switching to an already indexed equal block where there is one. Only a block this sequence
+  // holds alone is inserted: the other holders of a shared block (forks) may have switched the
+  // block before it to an equal indexed one, so indexing it under this sequence's predecessor
+  // could leave a holder of a child without its parent. A shared block with no equal indexed
+  // block stops the walk; a later call retries (once the others have copied or released it).
+  // Never throws.
+  void commit(std::size_t seq) noexcept {
+    if (!prefix_caching_) return;
+    Sequence& s = seqs_[seq];
+    std::size_t shortest = s.num_tokens;
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      shortest = std::min(shortest, lengths_[seq * shape_.num_layers + l]);
+    }
+    const std::size_t full = shortest / block_size_;
+    if (full <= s.committed) return;
+    block_id* table = table_of(seq);
+    const token_id* ids = table_tokens(seq);
+    std::lock_guard lock(shared_->mutex);
+    BlockPool& pool = shared_->pool;
+    PrefixIndex<Hasher>& index = shared_->index;
+    std::size_t i = s.committed;
+    for (; i < full; ++i) {
+      const block_id b = table[i];
+      if (index.contains(b)) continue;  // shared through admit/fork: indexed under this prefix
+      const block_id parent = i == 0 ? kNoBlock : table[i - 1];
+      const std::span<const token_id> block_ids(ids + i * block_size_, block_size_);
+      const block_id existing = index.find(parent, block_ids);
+      if (existing != kNoBlock) {
+        pool.acquire(existing);
+        pool.release(b);
+        table[i] = existing;
+      } else if (pool.ref_count(b) == 1) {
+        index.insert(b, parent, block_ids);
+        pool.mark_indexed(b);
+      } else {
+        break;
+      }
+    }
+    s.committed = i;
+  }
+
+  CacheShape shape_;
+  std::size_t num_blocks_;
+  std::size_t block_size_;
+  std::size_t max_batch_;
+  std::size_t max_seq_len_ = 0;
+  std::size_t max_blocks_per_seq_ = 0;
+  std::size_t block_elems_ = 0;  // one block of one layer: K and V
+  std::size_t layer_elems_ = 0;  // all blocks of one layer
+  bool prefix_caching_;
+  bool evict_when_full_;
+  AlignedBuffer<T> storage_;
+  std::unique_ptr<Shared> shared_;
+  std::vector<Sequence> seqs_;
+  std::vector<block_id> tables_;      // [seq][max_blocks_per_seq]
+  std::vector<CowEntry> cow_;         // [seq][max_blocks_per_seq]: copy-on-write scratch
+  std::vector<token_id> tokens_;      // [seq][max_seq_len]
+  std::vector<std::size_t> lengths_;  // [seq][layer]
+};
+
+static_assert(CacheConcept<PagedCache<float>>);
+static_assert(CacheConcept<PagedCache<half>>);
+static_assert(CacheConcept<PagedCache<bfloat16>>);
+static_assert(PrefixCacheConcept<PagedCache<float>>);
+static_assert(PrefixCacheConcept<PagedCache<half>>);
+static_assert(PrefixCacheConcept<PagedCache<bfloat16>>);
+
+}  // namespace kvcache
