@@ -131,8 +131,8 @@ struct ServeResult {
   [[nodiscard]] double first_ttft_s() const noexcept {
     return rows.empty() ? 0 : load_s + rows.front().ttft_disk_s;
   }
-  /// Every request matched from scratch and ran only its suffix, and the snapshot held the
-  /// system prompt (and, when asked, another model's load was refused).
+  /// The snapshot held the system prompt, every request matched its from-scratch run, and
+  /// (when asked) another model's load was refused. (Whether only suffixes ran: suffix_only.)
   [[nodiscard]] bool ok(const DiskPromptOptions& o) const noexcept {
     bool all = holds_system_prompt && !rows.empty() && (!o.other_model || other_model_refused);
     for (const DiskRequestRow& r : rows) all = all && r.identical;
