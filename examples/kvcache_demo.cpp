@@ -3,12 +3,16 @@
 // embedded synthetic Llama model through four KV-cache scenarios (or plain generation) and prints
 // TTFT and decode speed with and without the cache, side by side, measured in the same run.
 #include <fmt/format.h>
+#include <spawn.h>
+#include <sys/wait.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <span>
@@ -22,9 +26,13 @@
 #define KVCACHE_DEMO_HAS_ISATTY 1
 #endif
 
+extern char** environ;  // POSIX: the environment, passed on to the serving process
+
+#include "kvcache/io/snapshot.hpp"
 #include "kvcache/kvcache.hpp"
 #include "llama/caches.hpp"
 #include "llama/forward.hpp"
+#include "llama/from_disk.hpp"
 #include "llama/generate.hpp"
 #include "llama/model.hpp"
 #include "llama/sampler.hpp"
@@ -48,6 +56,9 @@ commands:
   demo             all four scenarios, one summary table (the default)
   chat             1. multi-turn chat: cached turns append only their new tokens
   system-prompt    2. one system prompt in a StaticCache serving many requests
+  system-prompt-disk
+                   2b. the system prompt from disk: this process prefills it and saves a
+                   snapshot, a second process loads it and serves the requests
   rag              3. many questions over one long cached document
   sliding          4. generation past the model's seq_len in a sliding window with sinks
   generate         plain generation from --prompt or --tokens
@@ -73,6 +84,13 @@ running:
   --sample-seed N       sampler seed (default 0)
   --verbose             demo: also print each scenario's own table
 
+system-prompt-disk:
+  --snapshot PATH       where process 1 saves the snapshot (kept; default: a temporary file,
+                        removed at the end)
+  --serve-from-snapshot PATH
+                        be process 2 only: load PATH (saved with the same model and sizes)
+                        and serve the requests
+
 generate:
   --prompt TEXT         text prompt (needs a tokenizer)
   --tokens 1,403,407    prompt as token ids (BOS included if you want it)
@@ -81,6 +99,7 @@ generate:
 scenario sizes:
   chat:           --turns N (6) --user-tokens N (48) --reply-tokens N (6)
   system-prompt:  --requests N (4) --system-tokens N (384) --suffix-tokens N (32)
+  ...-disk:       --requests N (3) --system-tokens N (384) --suffix-tokens N (32)
   rag:            --questions N (3) --doc-tokens N (1024) --suffix-tokens N (24)
   sliding:        --prompt-tokens N (64) --generate-tokens N (3 x seq_len) --checkpoints N (6)
   all:            --reply-tokens N
@@ -103,6 +122,9 @@ struct Options {
   std::optional<std::vector<token_id>> tokens;
   std::size_t steps = 256;
   bool verbose = false;
+  std::optional<std::string> snapshot, serve_from, report;
+  /// The arguments after the command, as given (passed on to the serving process).
+  std::vector<std::string> args;
   std::optional<std::size_t> turns, user_tokens, reply_tokens, requests, system_tokens,
       suffix_tokens, questions, doc_tokens, prompt_tokens, generate_tokens, checkpoints;
 };
@@ -145,6 +167,7 @@ Options parse_args(int argc, char** argv) {
   Options o;
   int i = 1;
   if (i < argc && argv[i][0] != '-') o.command = argv[i++];
+  o.args.assign(argv + i, argv + argc);
   auto value = [&](std::string_view flag) -> std::string {
     if (i + 1 >= argc) throw usage_error(fmt::format("{} needs a value", flag));
     return argv[++i];
@@ -206,6 +229,12 @@ Options parse_args(int argc, char** argv) {
       o.generate_tokens = parse_count(a, value(a));
     } else if (a == "--checkpoints") {
       o.checkpoints = parse_count(a, value(a));
+    } else if (a == "--snapshot") {
+      o.snapshot = value(a);
+    } else if (a == "--serve-from-snapshot") {
+      o.serve_from = value(a);
+    } else if (a == "--report") {  // internal: process 2 writes its summary row there
+      o.report = value(a);
     } else if (a == "--verbose" || a == "-v") {
       o.verbose = true;
     } else if (a == "--help" || a == "-h") {
@@ -265,6 +294,11 @@ struct Context {
   std::optional<llama::Tokenizer> tokenizer;
   std::unique_ptr<llama::Engine> engine;
   std::string model_name;
+  /// What snapshots are keyed by: the weights file's fingerprint or the synthetic spec + seed;
+  /// and the id of another model that a snapshot must be refused for (a synthetic model of the
+  /// same shape; for a synthetic model, the one with the next seed).
+  kvcache::ModelId model_id, other_model_id;
+  std::string other_model_name;
   ProgressLine progress;
 
   [[nodiscard]] const llama::Tokenizer* tok() const { return tokenizer ? &*tokenizer : nullptr; }
@@ -296,6 +330,9 @@ void load(Context& ctx) {
     const llama::Checkpoint ckpt = llama::load_llama2c(*o.model_path);
     ctx.model = std::make_unique<llama::Model>(llama::Model::from_checkpoint(ckpt, ctx.pool.get()));
     ctx.model_name = std::filesystem::path(*o.model_path).filename().string();
+    ctx.model_id = kvcache::model_id_of_file(*o.model_path);
+    ctx.other_model_id = llama::synthetic_model_id(ckpt.config, o.seed);
+    ctx.other_model_name = "a synthetic model of the same shape";
   } else {
     const llama::ModelConfig config = llama::parse_synthetic_spec(o.spec);
     ctx.progress.show("building", "synthetic model " + llama::synthetic_spec(config));
@@ -303,6 +340,9 @@ void load(Context& ctx) {
         std::make_unique<llama::Model>(llama::Model::synthetic(config, o.seed, ctx.pool.get()));
     ctx.model_name =
         "synthetic " + llama::synthetic_spec(config) + " (seed " + std::to_string(o.seed) + ")";
+    ctx.model_id = llama::synthetic_model_id(config, o.seed);
+    ctx.other_model_id = llama::synthetic_model_id(config, o.seed + 1);
+    ctx.other_model_name = "the same synthetic shape with seed " + std::to_string(o.seed + 1);
   }
   const double load_s = llama::now_s() - t0;
   ctx.progress.clear();
@@ -324,6 +364,7 @@ void load(Context& ctx) {
     }
   }
   ctx.engine = std::make_unique<llama::Engine>(*ctx.model, ctx.pool.get(), o.chunk);
+  if (o.report) return;  // process 2 of system-prompt-disk: process 1 printed all this
   fmt::print("model      {}\n", ctx.model_name);
   fmt::print(
       "           dim {}, hidden {}, {} layers, {} heads / {} KV heads (head_dim {}), "
@@ -473,6 +514,220 @@ SummaryRow shared_prefix(Context& ctx, const std::string& stage, bool rag, bool 
           .notes = {prefix_note(rag ? "document" : "system prompt", r, so.suffix_tokens)}};
 }
 
+// 2b. The system prompt from disk: process 1 (this one) prefills it and saves the snapshot,
+// process 2 (this program again, --serve-from-snapshot) loads it and serves the requests, and
+// hands its summary row back in a small report file ("key value" lines).
+
+/// A new directory under the system temp dir (mkdtemp), removed with its contents at the end.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string name = (std::filesystem::temp_directory_path() / "kvcache-demo-XXXXXX").string();
+    if (::mkdtemp(name.data()) == nullptr) {
+      throw kvcache::io_error(fmt::format("mkdtemp '{}'", name), errno);
+    }
+    path_ = name;
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+/// The same system prompt as scenario 2 (the prompt stream's seed).
+constexpr std::uint64_t kSystemPromptSeed = 22;
+
+llama::DiskPromptOptions disk_options(const Context& ctx) {
+  const Options& o = ctx.opt;
+  return {.system_tokens = o.system_tokens.value_or(384),
+          .requests = o.requests.value_or(3),
+          .suffix_tokens = o.suffix_tokens.value_or(32),
+          .reply_tokens = o.reply_tokens.value_or(6),
+          .cache = o.cache.value_or(llama::CacheKind::static_cache),
+          .params = ctx.cache_params(),
+          .sampler = o.sampler,
+          .other_model = ctx.other_model_id};
+}
+
+/// Process 2: loads the snapshot at `path` and serves the requests, each checked against a
+/// from-scratch run. Its row: the first request's TTFT (load + suffix prefill) against
+/// recomputing system prompt + suffix in a fresh cache.
+SummaryRow serve_from_snapshot(Context& ctx, const std::filesystem::path& path, bool details) {
+  const llama::DiskPromptOptions o = disk_options(ctx);
+  llama::PromptSource source(ctx.tok(), ctx.model->config().vocab_size, kSystemPromptSeed);
+  ctx.progress.show("  process 2",
+                    fmt::format("loads {}, serves {} requests", path.string(), o.requests));
+  const llama::ServeResult r =
+      llama::serve_from_snapshot(*ctx.engine, source, o, path, ctx.model_id);
+  ctx.progress.clear();
+  const auto& first = r.rows.front();
+  if (details) {
+    fmt::print("   process 2 (pid {}): loaded {} positions ({}, {} cache) in {}{}\n", ::getpid(),
+               r.system_tokens, mib(r.file_bytes), r.cache, ms(r.load_s),
+               r.holds_system_prompt ? "" : "; it does NOT hold this system prompt");
+    fmt::print("{:>4} {:>7} {:>9} {:>15} {:>15} {:>8} {:>11} {:>10}  {}\n", "req", "prompt",
+               "computed", "TTFT from disk", "TTFT recompute", "speedup", "tok/s disk", "recompute",
+               "same tokens");
+    for (std::size_t i = 0; i < r.rows.size(); ++i) {
+      const auto& row = r.rows[i];
+      const double disk = i == 0 ? r.first_ttft_s() : row.ttft_disk_s;
+      fmt::print("{:>4} {:>7} {:>9} {:>15} {:>15} {:>7.1f}x {:>11} {:>10}  {}\n", i + 1,
+                 row.prompt_tokens, row.disk_computed, ms(disk), ms(row.ttft_recompute_s),
+                 row.ttft_recompute_s / disk, tps(row.decode_disk_tps),
+                 tps(row.decode_recompute_tps), row.identical ? "yes" : "NO");
+    }
+    fmt::print(
+        "     request 1 from disk = load {} + prefill of its {} new tokens {}; later requests "
+        "reuse the loaded K/V in memory\n",
+        ms(r.load_s), first.disk_computed, ms(first.ttft_disk_s));
+    fmt::print("     first reply: {}\n", ctx.show(first.reply));
+    fmt::print("     a process with another model ({}) is refused: {}\n\n", ctx.other_model_name,
+               r.other_model_refused ? r.refusal : std::string("NOT REFUSED"));
+  }
+  const std::size_t same = count(r.rows, [](const auto& x) { return x.identical; });
+  return {.scenario = "2b from disk, 1st request",
+          .cache = r.cache,
+          .ttft_cached = r.first_ttft_s(),
+          .ttft_uncached = first.ttft_recompute_s,
+          .decode_cached = first.decode_disk_tps,
+          .decode_uncached = first.decode_recompute_tps,
+          .check = fmt::format("{} of {} requests = from scratch{}", same, r.rows.size(),
+                               r.other_model_refused ? "; other model refused" : ""),
+          .ok = r.ok(o),
+          .notes = {fmt::format("from disk: process 2 (pid {}) loaded the {}-token system prompt "
+                                "({}) in {}; {}",
+                                ::getpid(), r.system_tokens, mib(r.file_bytes), ms(r.load_s),
+                                r.suffix_only(o)
+                                    ? fmt::format("each request ran only its {} new tokens",
+                                                  o.suffix_tokens)
+                                    : std::string("the cache could not keep it for every request "
+                                                  "(see the computed column)")),
+                    std::string("  2b's uncached columns: process 2 recomputes system prompt + "
+                                "request in a fresh cache (what it does without the snapshot), "
+                                "then decodes with that cache"),
+                    fmt::format("  a process with {} is refused: {}", ctx.other_model_name,
+                                r.other_model_refused ? r.refusal : std::string("NOT REFUSED"))}};
+}
+
+void write_report(const std::filesystem::path& path, const SummaryRow& row) {
+  std::ofstream out(path);
+  out << fmt::format("ttft_cached {:.9g}\nttft_uncached {:.9g}\n", row.ttft_cached,
+                     row.ttft_uncached)
+      << fmt::format("decode_cached {:.9g}\ndecode_uncached {:.9g}\n", row.decode_cached,
+                     row.decode_uncached)
+      << "ok " << (row.ok ? 1 : 0) << "\ncache " << row.cache << "\ncheck " << row.check << "\n";
+  for (const auto& n : row.notes) out << "note " << n << "\n";
+  if (!out.flush())
+    throw kvcache::error(fmt::format("cannot write the report '{}'", path.string()));
+}
+
+/// The row process 2 wrote; nullopt when it wrote none.
+std::optional<SummaryRow> read_report(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  SummaryRow row;
+  std::string line;
+  bool complete = false;
+  while (std::getline(in, line)) {
+    const std::size_t space = std::min(line.find(' '), line.size());
+    const std::string key = line.substr(0, space);
+    const std::string value = space < line.size() ? line.substr(space + 1) : std::string();
+    if (key == "ttft_cached") row.ttft_cached = std::strtod(value.c_str(), nullptr);
+    if (key == "ttft_uncached") row.ttft_uncached = std::strtod(value.c_str(), nullptr);
+    if (key == "decode_cached") row.decode_cached = std::strtod(value.c_str(), nullptr);
+    if (key == "decode_uncached") row.decode_uncached = std::strtod(value.c_str(), nullptr);
+    if (key == "ok") row.ok = value == "1";
+    if (key == "cache") row.cache = value;
+    if (key == "check") row.check = value, complete = true;
+    if (key == "note") row.notes.push_back(value);
+  }
+  if (!complete) return std::nullopt;
+  return row;
+}
+
+/// Runs `args` (args[0] an executable path) as a child process with this environment and waits
+/// for it. @return its waitpid status. @throws kvcache::io_error when it cannot be started.
+int run_process(const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  if (const int err = ::posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ)) {
+    throw kvcache::io_error(fmt::format("posix_spawn '{}'", args[0]), err);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) throw kvcache::io_error("waitpid", errno);
+  }
+  return status;
+}
+
+/// Process 1: prefills the system prompt, saves the snapshot, starts process 2 on it and
+/// returns process 2's row (with process 1's figures in its notes).
+SummaryRow system_prompt_disk(Context& ctx, const std::string& stage, bool details) {
+  const llama::DiskPromptOptions o = disk_options(ctx);
+  const ScratchDir dir;
+  const std::filesystem::path path =
+      ctx.opt.snapshot ? std::filesystem::path(*ctx.opt.snapshot) : dir.path() / "system.kvs";
+  llama::PromptSource source(ctx.tok(), ctx.model->config().vocab_size, kSystemPromptSeed);
+  ctx.progress.show(stage, "process 1: prefill of the system prompt, save");
+  const llama::SavedSystemPrompt saved =
+      llama::save_system_prompt(*ctx.engine, source, o, path, ctx.model_id);
+  ctx.progress.show(stage, "process 2: load of the snapshot, requests");
+  const std::string p1 = fmt::format(
+      "from disk: process 1 (pid {}) prefilled the {}-token system prompt in {} and saved it "
+      "({}) in {} to {}",
+      ::getpid(), saved.tokens, ms(saved.prefill_s), mib(saved.file_bytes), ms(saved.save_s),
+      ctx.opt.snapshot ? path.string() : std::string("a temporary file"));
+  if (details) {
+    ctx.progress.clear();
+    fmt::print(
+        "2b. system prompt from disk: {} tokens saved by process 1, {} requests of {} user "
+        "tokens served by process 2, {} cache\n",
+        saved.tokens, o.requests, o.suffix_tokens, llama::cache_kind_name(o.cache));
+    fmt::print("   process 1 (pid {}): prefilled the system prompt in {}, saved {} to {} in {}\n",
+               ::getpid(), ms(saved.prefill_s), mib(saved.file_bytes), path.string(),
+               ms(saved.save_s));
+  }
+  std::fflush(stdout);
+
+  const std::filesystem::path report = dir.path() / "process-2.report";
+  std::vector<std::string> args{std::filesystem::read_symlink("/proc/self/exe").string(),
+                                "system-prompt-disk"};
+  for (std::size_t i = 0; i < ctx.opt.args.size(); ++i) {
+    const std::string& a = ctx.opt.args[i];
+    if (a == "--snapshot" || a == "--serve-from-snapshot" || a == "--report") {
+      ++i;  // and its value
+    } else {
+      args.push_back(a);
+    }
+  }
+  if (details) args.emplace_back("--verbose");
+  for (const std::string& a : {std::string("--serve-from-snapshot"), path.string(),
+                               std::string("--report"), report.string()}) {
+    args.push_back(a);
+  }
+  const int status = run_process(args);
+  ctx.progress.clear();
+  std::optional<SummaryRow> row = read_report(report);
+  if (!row) {
+    throw kvcache::error(fmt::format("process 2 ({}) wrote no report; {}", args[0],
+                                     WIFEXITED(status)
+                                         ? fmt::format("exit status {}", WEXITSTATUS(status))
+                                         : fmt::format("signal {}", WTERMSIG(status))));
+  }
+  row->scenario = "2b from disk, 1st request";
+  row->notes.insert(row->notes.begin(), p1);
+  row->ok = row->ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  return *row;
+}
+
 SummaryRow sliding(Context& ctx, const std::string& stage, bool details) {
   const Options& o = ctx.opt;
   if (o.cache && *o.cache != llama::CacheKind::sliding) {
@@ -604,9 +859,13 @@ int run(int argc, char** argv) {
                fmt::arg("tok", KVCACHE_SHARED_DIR "/models/stories260K/tok512.bin"));
     return 0;
   }
-  if (cmd != "demo" && cmd != "chat" && cmd != "system-prompt" && cmd != "rag" &&
-      cmd != "sliding" && cmd != "generate") {
+  if (cmd != "demo" && cmd != "chat" && cmd != "system-prompt" && cmd != "system-prompt-disk" &&
+      cmd != "rag" && cmd != "sliding" && cmd != "generate") {
     throw usage_error(fmt::format("unknown command {} (see kvcache_demo help)", cmd));
+  }
+  if ((ctx.opt.snapshot && cmd != "demo" && cmd != "system-prompt-disk") ||
+      ((ctx.opt.serve_from || ctx.opt.report) && cmd != "system-prompt-disk")) {
+    throw usage_error("--snapshot and --serve-from-snapshot are options of system-prompt-disk");
   }
   load(ctx);
   if (cmd == "generate") return generate(ctx);
@@ -616,16 +875,27 @@ int run(int argc, char** argv) {
   if (cmd == "demo") {
     if (ctx.opt.cache) throw usage_error("demo picks the cache per scenario; drop --cache");
     fmt::print(stderr,
-               "running the four scenarios, each cached and uncached and checked token "
-               "for token...\n");
-    rows.push_back(chat(ctx, "[1/4 chat]", details));
-    rows.push_back(shared_prefix(ctx, "[2/4 system prompt]", false, details));
-    rows.push_back(shared_prefix(ctx, "[3/4 RAG]", true, details));
-    rows.push_back(sliding(ctx, "[4/4 sliding window]", details));
+               "running the four scenarios (the system prompt also from disk, in a second "
+               "process), each cached and uncached and checked token for token...\n");
+    rows.push_back(chat(ctx, "[1/5 chat]", details));
+    rows.push_back(shared_prefix(ctx, "[2/5 system prompt]", false, details));
+    rows.push_back(system_prompt_disk(ctx, "[3/5 system prompt from disk]", details));
+    rows.push_back(shared_prefix(ctx, "[4/5 RAG]", true, details));
+    rows.push_back(sliding(ctx, "[5/5 sliding window]", details));
   } else if (cmd == "chat") {
     rows.push_back(chat(ctx, "[chat]", details));
   } else if (cmd == "system-prompt") {
     rows.push_back(shared_prefix(ctx, "[system prompt]", false, details));
+  } else if (cmd == "system-prompt-disk" && ctx.opt.serve_from) {
+    const SummaryRow row =
+        serve_from_snapshot(ctx, *ctx.opt.serve_from, !ctx.opt.report || ctx.opt.verbose);
+    if (ctx.opt.report) {
+      write_report(*ctx.opt.report, row);
+      return row.ok ? 0 : 1;
+    }
+    rows.push_back(row);
+  } else if (cmd == "system-prompt-disk") {
+    rows.push_back(system_prompt_disk(ctx, "[system prompt from disk]", details));
   } else if (cmd == "rag") {
     rows.push_back(shared_prefix(ctx, "[RAG]", true, details));
   } else {
