@@ -1,74 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // StaticCache: allocates once, never again; overflow and bad indices throw typed errors naming
 // the numbers and leave the cache exactly as it was.
-#include <atomic>
-#include <cstddef>
-#include <cstdlib>
-#include <new>
-
 #include "kvcache/kvcache.hpp"
 #include "support/cache_helpers.hpp"
 #include "support/catch.hpp"
+#include "support/counting_new.hpp"
 #include "support/throws.hpp"
 
 using namespace kvcache;
-
-// Counts every global allocation made by this test program. (GCC flags free() of memory from the
-// replaced operator new, which is exactly what these replacements pair up.)
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-namespace {
-std::atomic<std::size_t> g_allocations{0};
-}
-namespace {
-void* counted_alloc(std::size_t n, std::size_t align) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  void* p = align <= alignof(std::max_align_t)
-                ? std::malloc(n == 0 ? 1 : n)
-                : std::aligned_alloc(align, (n + align - 1) / align * align);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-}  // namespace
-void* operator new(std::size_t n) { return counted_alloc(n, 0); }
-void* operator new[](std::size_t n) { return counted_alloc(n, 0); }
-void* operator new(std::size_t n, std::align_val_t a) {
-  return counted_alloc(n, static_cast<std::size_t>(a));
-}
-void* operator new[](std::size_t n, std::align_val_t a) {
-  return counted_alloc(n, static_cast<std::size_t>(a));
-}
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  try {
-    return counted_alloc(n, 0);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
-void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  try {
-    return counted_alloc(n, static_cast<std::size_t>(a));
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t& t) noexcept {
-  return operator new(n, a, t);
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+using kvcache::test::g_allocations;
 
 TEST_CASE("StaticCache allocates at construction and never again over 10k appends and attends") {
   StaticCache<half> cache(
