@@ -30,8 +30,9 @@ inline constexpr std::size_t kTile = 32;
 inline constexpr std::size_t kRowBlock = 16;
 /// Query rows per micro-kernel call.
 inline constexpr std::size_t kSubRows = 4;
-/// How many tiles ahead of the one being computed K/V rows are prefetched.
-inline constexpr std::size_t kPrefetchTiles = 2;
+/// How many tiles ahead of the one being computed K/V rows are prefetched (into L2, see
+/// cpu_avx2.hpp's qk_rows).
+inline constexpr std::size_t kPrefetchTiles = 4;
 
 /// Which implementation of the micro-kernels to run.
 enum class Kernel {
