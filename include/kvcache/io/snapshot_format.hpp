@@ -56,24 +56,27 @@ static_assert(std::endian::native == std::endian::little,
 ///
 /// Section order: META first; then for each saved sequence its SEQUENCE section followed by
 /// num_layers LAYER_KV sections in layer order. Optional sections may appear anywhere after META.
-/// A paged/prefix cache adds its own kinds (4, 5 reserved) without changing these.
+/// Every policy, the paged cache (policy 4) included, uses exactly these sections: a paged
+/// snapshot stores each sequence's positions and token ids, not the pool's block layout, which
+/// the loader rebuilds in the destination's pool. Kinds 4 and 5 stay reserved.
 ///
 /// META payload, 192 bytes: the shape fingerprint and the model identity.
 ///     0    4  policy           SnapshotPolicy: 1 StaticCache, 2 DynamicCache,
-///                              3 SlidingWindowCache (4 reserved: paged)
+///                              3 SlidingWindowCache, 4 PagedCache
 ///     4    4  dtype            DType numbering: 0 f32, 1 f16, 2 bf16
 ///     8    8  num_layers       >= 1
 ///    16    8  num_kv_heads     >= 1
 ///    24    8  head_dim         >= 1
 ///    32    8  max_batch        of the saved cache (>= 1; sequence indices are below it)
-///    40    8  max_seq_len      StaticCache (>= 1) and DynamicCache (0 = unbounded); else 0
+///    40    8  max_seq_len      StaticCache (>= 1), DynamicCache (0 = unbounded) and
+///                              PagedCache (>= 1, its capacity()); else 0
 ///    48    8  chunk_len        DynamicCache (>= 1); else 0
 ///    56    8  window           SlidingWindowCache (>= 1); else 0
 ///    64    8  num_sink_tokens  SlidingWindowCache; else 0
 ///    72    8  max_append_len   SlidingWindowCache (>= 1); else 0
-///    80    8  block_len        reserved for the paged cache; 0
-///    88    4  flags            bit 0: token ids present (saved from a TokenTrackedCache);
-///                              other bits zero
+///    80    8  block_len        PagedCache (>= 1): its block_size (tokens per block); else 0
+///    88    4  flags            bit 0: token ids present (saved from a TokenTrackedCache or a
+///                              PagedCache; always set for PagedCache); other bits zero
 ///    92    4  model_id_len     0..64
 ///    96   64  model_id         the caller's ModelId bytes, zero after model_id_len
 ///   160    8  num_sequences    number of SEQUENCE sections
@@ -81,11 +84,15 @@ static_assert(std::endian::native == std::endian::little,
 ///
 /// SEQUENCE payload, 16 + 24 * num_layers + 4 * num_token_ids bytes:
 ///     0    8  seq              index of the sequence in the saved cache (< max_batch, unique)
-///     8    8  num_token_ids    0 unless META flag bit 0; at most every layer's length
+///     8    8  num_token_ids    0 unless META flag bit 0; at most every layer's length, except
+///                              for PagedCache: at most max_seq_len (a paged sequence may
+///                              register ids ahead of their K/V: an admitted prompt not yet
+///                              prefilled, a sampled token not yet appended)
 ///    16       per layer, 24 bytes: length, sink_end, recent_begin (what the layer's view
 ///             reports: positions [0, sink_end) and [recent_begin, length) are held, with
-///             0 <= sink_end <= recent_begin <= length). StaticCache and DynamicCache: sink_end
-///             = recent_begin = 0, length within max_seq_len. SlidingWindowCache: either
+///             0 <= sink_end <= recent_begin <= length). StaticCache, DynamicCache and
+///             PagedCache: sink_end = recent_begin = 0, length within max_seq_len (unless 0
+///             for DynamicCache). SlidingWindowCache: either
 ///             length <= num_sink_tokens and sink_end = recent_begin = length, or sink_end =
 ///             num_sink_tokens <= recent_begin and length - recent_begin <= window +
 ///             max_append_len - 1 (the ring).
@@ -107,6 +114,7 @@ enum class SnapshotPolicy : std::uint32_t {
   static_cache = 1,
   dynamic_cache = 2,
   sliding_window = 3,
+  paged_cache = 4,
 };
 
 [[nodiscard]] constexpr const char* snapshot_policy_name(SnapshotPolicy p) noexcept {
@@ -117,6 +125,8 @@ enum class SnapshotPolicy : std::uint32_t {
       return "DynamicCache";
     case SnapshotPolicy::sliding_window:
       return "SlidingWindowCache";
+    case SnapshotPolicy::paged_cache:
+      return "PagedCache";
   }
   return "unknown policy";
 }
@@ -129,6 +139,8 @@ struct SnapshotParams {
   std::uint64_t window = 0;
   std::uint64_t num_sink_tokens = 0;
   std::uint64_t max_append_len = 0;
+  /// PagedCache: tokens per block of the saved cache.
+  std::uint64_t block_len = 0;
   friend constexpr bool operator==(const SnapshotParams&, const SnapshotParams&) = default;
 };
 
@@ -172,7 +184,8 @@ enum class SectionKind : std::uint32_t {
   meta = 1,
   sequence = 2,
   layer_kv = 3,
-  // 4, 5: reserved for the paged/prefix cache (block pool, prefix index).
+  // 4, 5: reserved (e.g. a dump of a paged cache's block pool and prefix index); a paged
+  // snapshot (policy 4) needs neither.
 };
 
 [[nodiscard]] constexpr std::uint64_t align_up(std::uint64_t x) noexcept {
@@ -436,9 +449,9 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
                                 " bytes, expected ", kMetaBytes);
   }
   const auto policy = get<std::uint32_t>(bytes, m + kMetaPolicy);
-  if (policy < 1 || policy > 3) {
+  if (policy < 1 || policy > 4) {
     fail<snapshot_format_error>(name, m + kMetaPolicy, "unknown policy ", policy,
-                                " (1 static, 2 dynamic, 3 sliding window)");
+                                " (1 static, 2 dynamic, 3 sliding window, 4 paged)");
   }
   out.policy = static_cast<SnapshotPolicy>(policy);
   const auto dtype = get<std::uint32_t>(bytes, m + kMetaDtype);
@@ -464,6 +477,7 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
   const bool is_static = out.policy == SnapshotPolicy::static_cache;
   const bool is_dynamic = out.policy == SnapshotPolicy::dynamic_cache;
   const bool is_sliding = out.policy == SnapshotPolicy::sliding_window;
+  const bool is_paged = out.policy == SnapshotPolicy::paged_cache;
   auto policy_field = [&](std::size_t off, const char* what, bool used, bool nonzero) {
     const std::uint64_t v = count_field(off, what, used && nonzero);
     if (!used && v != 0) {
@@ -472,12 +486,13 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
     }
     return v;
   };
-  p.max_seq_len = policy_field(kMetaMaxSeqLen, "max_seq_len", is_static || is_dynamic, is_static);
+  p.max_seq_len = policy_field(kMetaMaxSeqLen, "max_seq_len", is_static || is_dynamic || is_paged,
+                               is_static || is_paged);
   p.chunk_len = policy_field(kMetaChunkLen, "chunk_len", is_dynamic, true);
   p.window = policy_field(kMetaWindow, "window", is_sliding, true);
   p.num_sink_tokens = policy_field(kMetaNumSinks, "num_sink_tokens", is_sliding, false);
   p.max_append_len = policy_field(kMetaMaxAppendLen, "max_append_len", is_sliding, true);
-  (void)policy_field(kMetaBlockLen, "block_len", false, false);
+  p.block_len = policy_field(kMetaBlockLen, "block_len", is_paged, true);
   std::uint64_t ring_len = 0;
   if (is_sliding && __builtin_add_overflow(p.window, p.max_append_len - 1, &ring_len)) {
     fail<snapshot_format_error>(name, m + kMetaWindow, "window + max_append_len overflows");
@@ -487,6 +502,10 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
     fail<snapshot_format_error>(name, m + kMetaFlags, "unknown META flags ", detail::hex32(flags));
   }
   out.has_token_ids = (flags & kMetaFlagTokenIds) != 0;
+  if (is_paged && !out.has_token_ids) {
+    fail<snapshot_format_error>(name, m + kMetaFlags, "META flags ", detail::hex32(flags),
+                                " lack bit 0 (token ids), which a PagedCache snapshot always has");
+  }
   const auto id_len = get<std::uint32_t>(bytes, m + kMetaModelIdLen);
   if (id_len > kModelIdMaxBytes) {
     fail<snapshot_format_error>(name, m + kMetaModelIdLen, "model_id_len ", id_len, " exceeds ",
@@ -538,6 +557,11 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
       fail<snapshot_format_error>(name, o + kSeqNumTokenIds, "num_token_ids ", seq.num_token_ids,
                                   " but META says the snapshot has no token ids");
     }
+    if (is_paged && seq.num_token_ids > p.max_seq_len) {
+      fail<snapshot_format_error>(name, o + kSeqNumTokenIds, "sequence ", seq.seq, " has ",
+                                  seq.num_token_ids, " token ids, more than the saved max_seq_len ",
+                                  p.max_seq_len);
+    }
     seq.token_ids_offset = o + fixed;
     seq.layers.resize(layers);
     for (std::uint64_t l = 0; l < layers; ++l) {
@@ -548,7 +572,7 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
       st.recent_begin =
           static_cast<position_t>(detail::get_count(name, bytes, so + 16, "recent_begin"));
       bool ok = st.sink_end <= st.recent_begin && st.recent_begin <= st.length;
-      if (is_static || is_dynamic) {
+      if (is_static || is_dynamic || is_paged) {
         ok = ok && st.sink_end == 0 && st.recent_begin == 0 &&
              (p.max_seq_len == 0 || static_cast<std::uint64_t>(st.length) <= p.max_seq_len);
       } else {
@@ -564,7 +588,7 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
                                     st.recent_begin, " is not a state of the saved ",
                                     snapshot_policy_name(out.policy));
       }
-      if (seq.num_token_ids > static_cast<std::uint64_t>(st.length)) {
+      if (!is_paged && seq.num_token_ids > static_cast<std::uint64_t>(st.length)) {
         fail<snapshot_format_error>(name, o + kSeqNumTokenIds, "sequence ", seq.seq, " has ",
                                     seq.num_token_ids, " token ids but layer ", l, " holds only ",
                                     st.length, " positions");
