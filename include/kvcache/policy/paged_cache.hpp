@@ -18,6 +18,7 @@
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/prefix_cache_concept.hpp"
+#include "kvcache/core/restore.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 #include "kvcache/prefix/block_pool.hpp"
@@ -108,7 +109,8 @@ static_assert(KVView<PagedView<float>>);
 /// Storage: one allocation at construction, [layer][block][K, V][kv_head][block_size][head_dim],
 /// so a layer's blocks form one array (what a GPU kernel takes with a block table) and a segment's
 /// heads are block_size * head_dim apart. Every slot's block table and token-id buffer are
-/// allocated then too; afterwards no operation allocates except reorder() and error messages.
+/// allocated then too; afterwards no operation allocates except reorder(), restore() (scratch for
+/// its validation) and error messages.
 ///
 /// Sequences and blocks. A sequence's block table lists the blocks holding its positions, block
 /// i holding [i * block_size, (i + 1) * block_size) of every layer. Layers fill independently
@@ -147,11 +149,11 @@ static_assert(KVView<PagedView<float>>);
 /// (layer_length, seq_length, tokens, block_table). match_prefix, evict_cached, stats,
 /// ref_count and the const shape queries are safe at any time. Operations on the *same*
 /// sequence must not overlap unless all of them are reads. reorder() counts as an operation on
-/// every sequence it names; check_consistency() needs no concurrent mutation. One mutex guards
-/// the shared block metadata (pool, index, counters); it is held for O(blocks touched), never
-/// while K/V rows are written or read, and a thread writes only blocks it holds alone. A view is
-/// valid until the next mutating call on its own sequence; other sequences' operations never
-/// invalidate it.
+/// every sequence it names, and so does restore() (on every sequence its entries or ids name);
+/// check_consistency() needs no concurrent mutation. One mutex guards the shared block metadata
+/// (pool, index, counters); it is held for O(blocks touched), never while K/V rows are written or
+/// read, and a thread writes only blocks it holds alone. A view is valid until the next mutating
+/// call on its own sequence; other sequences' operations never invalidate it.
 template <Element T, BlockHasher Hasher = DefaultBlockHasher>
 class PagedCache {
  public:
@@ -461,6 +463,153 @@ class PagedCache {
     }
   }
 
+  /// Snapshot restore hook (load_snapshot() calls it): replaces every *named* sequence (one
+  /// that an entry or `tokens` names) by the one described; other sequences are untouched.
+  /// A named sequence's previous blocks are released (as release() would), fresh blocks are
+  /// taken from the pool for the positions of its longest restored layer, the K/V rows are
+  /// copied in, its ids are registered (those `tokens` gives it; none if it gives none), and a
+  /// layer without an entry is left empty. Ids may run ahead of the K/V (as after admit()). Then
+  /// the normal commit path runs, as after append() and add_tokens(): the blocks that are full
+  /// in every layer and have their ids are indexed, and one equal to a block already indexed
+  /// (same prefix, same ids) is replaced by that block, its fresh copy freed. So after a
+  /// restore and release(seq), the restored prefix stays cached and a later admit() of a prompt
+  /// starting with those ids shares it: a prompt prefilled by one process serves prefix hits in
+  /// another.
+  ///
+  /// Blocks: the named sequences need the sum over them of ceil(longest restored layer /
+  /// block_size) fresh blocks. Available are the free blocks plus those the replaced sequences
+  /// would free (held by no other sequence and not indexed), and with evict_when_full also the
+  /// cached blocks plus the indexed ones the replaced sequences would leave cached (counted
+  /// exactly: each block's references from the named sequences against its reference count).
+  ///
+  /// Allocates validation scratch: O(num_layers * max_batch) plus the ids of the blocks the named
+  /// sequences hold. O(elements of the entries + num_layers * max_batch + H log H) for the H
+  /// blocks the named sequences held, plus O(block_size) per block committed.
+  /// @pre no other thread operates on a named sequence during the call (see Thread safety);
+  ///      the entries' K/V and the ids do not alias this cache's storage.
+  /// @post view(e.layer, e.seq) reports e.length and holds e.k / e.v for each entry e;
+  ///       tokens(t.seq) equals t.ids for each t in `tokens`.
+  /// @throws layer_error, batch_error (a layer or sequence out of range), shape_error (a (layer,
+  ///         sequence) or the ids of a sequence named twice, K/V of the wrong size),
+  ///         position_error (sink_end or recent_begin not 0: a PagedCache holds every position),
+  ///         capacity_error (a length or more ids than max_seq_len), pool_exhausted_error (fewer
+  ///         blocks available than needed; names needed, free and evictable), std::bad_alloc;
+  ///         all before anything changes.
+  void restore(std::span<const LayerRestore<T>> entries, std::span<const SequenceTokens> tokens) {
+    detail::check_restore_entries(kName, entries, shape_, max_batch_);
+    const std::size_t num_layers = shape_.num_layers;
+    std::vector<std::size_t> length(max_batch_ * num_layers, 0);  // [seq][layer], restored
+    std::vector<const SequenceTokens*> ids_of(max_batch_, nullptr);
+    std::vector<bool> named(max_batch_, false);
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const LayerRestore<T>& e = entries[i];
+      if (e.sink_end != 0 || e.recent_begin != 0) {
+        throw position_error(detail::message(kName, ": restore entry ", i, " drops positions [",
+                                             e.sink_end, ", ", e.recent_begin,
+                                             "), but a PagedCache holds every position"));
+      }
+      if (static_cast<std::size_t>(e.length) > max_seq_len_) {
+        throw capacity_error(detail::message(kName, ": restore entry ", i, ": sequence ", e.seq,
+                                             " layer ", e.layer, " holds ", e.length,
+                                             " tokens, more than max_seq_len ", max_seq_len_));
+      }
+      length[e.seq * num_layers + e.layer] = static_cast<std::size_t>(e.length);
+      named[e.seq] = true;
+    }
+    for (std::size_t j = 0; j < tokens.size(); ++j) {
+      const SequenceTokens& t = tokens[j];
+      if (t.seq >= max_batch_) {
+        throw batch_error(detail::message(kName, ": restore ids ", j, ": sequence ", t.seq,
+                                          " out of range (max_batch ", max_batch_, ")"));
+      }
+      if (ids_of[t.seq] != nullptr) {
+        throw shape_error(
+            detail::message(kName, ": restore names the ids of sequence ", t.seq, " twice"));
+      }
+      if (t.ids.size() > max_seq_len_) {
+        throw capacity_error(detail::message(kName, ": restore of ", t.ids.size(),
+                                             " token ids into sequence ", t.seq,
+                                             " exceeds max_seq_len ", max_seq_len_));
+      }
+      ids_of[t.seq] = &t;
+      named[t.seq] = true;
+    }
+    // Fresh blocks per named sequence, and the blocks the named sequences hold now (sorted, so
+    // that each block's references from them can be counted).
+    std::vector<std::size_t> fresh(max_batch_, 0);
+    std::size_t needed = 0, num_named = 0;
+    std::vector<block_id> held;
+    for (std::size_t q = 0; q < max_batch_; ++q) {
+      if (!named[q]) continue;
+      const auto first = length.begin() + static_cast<std::ptrdiff_t>(q * num_layers);
+      fresh[q] = (*std::max_element(first, first + static_cast<std::ptrdiff_t>(num_layers)) +
+                  block_size_ - 1) /
+                 block_size_;
+      needed += fresh[q];
+      ++num_named;
+      held.insert(held.end(), table_of(q), table_of(q) + seqs_[q].num_blocks);
+    }
+    std::sort(held.begin(), held.end());
+    {
+      std::lock_guard lock(shared_->mutex);
+      BlockPool& pool = shared_->pool;
+      std::size_t would_free = 0, would_cache = 0;  // what releasing the named sequences yields
+      for (std::size_t i = 0, j = 0; i < held.size(); i = j) {
+        while (j < held.size() && held[j] == held[i]) ++j;
+        if (pool.ref_count(held[i]) == j - i) ++(pool.indexed(held[i]) ? would_cache : would_free);
+      }
+      const std::size_t free = pool.num_free() + would_free;
+      const std::size_t cached = pool.num_cached() + would_cache;
+      if (needed > free && !(evict_when_full_ && needed <= free + cached)) {
+        throw_exhausted(detail::message(kName, ": restore of ", num_named, " sequences"), needed,
+                        free, cached,
+                        detail::message(", counting the ", would_free + would_cache,
+                                        " blocks only the replaced sequences hold"));
+      }
+      for (std::size_t q = 0; q < max_batch_; ++q) {
+        if (named[q]) release_blocks_locked(q, 0);
+      }
+      // The pool now has exactly `free` free and `cached` cached blocks: this cannot throw.
+      reserve_locked(needed, [] { return std::string(kName); });
+      for (std::size_t q = 0; q < max_batch_; ++q) {
+        if (!named[q]) continue;
+        block_id* table = table_of(q);
+        for (std::size_t i = 0; i < fresh[q]; ++i) table[i] = pool.allocate();
+        seqs_[q].num_blocks = fresh[q];
+      }
+    }
+    // The fresh blocks are this call's alone (held once, not indexed) until commit() below.
+    for (std::size_t q = 0; q < max_batch_; ++q) {
+      if (!named[q]) continue;
+      Sequence& s = seqs_[q];
+      s.num_tokens = 0;
+      s.committed = 0;
+      if (ids_of[q] != nullptr) {
+        std::ranges::copy(ids_of[q]->ids, table_tokens(q));
+        s.num_tokens = ids_of[q]->ids.size();
+      }
+      std::copy_n(length.begin() + static_cast<std::ptrdiff_t>(q * num_layers), num_layers,
+                  lengths_.begin() + static_cast<std::ptrdiff_t>(q * num_layers));
+    }
+    const std::size_t head_elems = block_size_ * shape_.head_dim;
+    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
+    for (const LayerRestore<T>& e : entries) {
+      const std::size_t n = e.held();
+      T* layer_base = storage_.data() + e.layer * layer_elems_;
+      const block_id* table = table_of(e.seq);
+      for (std::size_t first = 0; first < n; first += block_size_) {
+        T* base = layer_base + std::size_t{table[first / block_size_]} * block_elems_;
+        const std::size_t rows = std::min(block_size_, n - first);
+        detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, rows, shape_);
+        detail::copy_packed_rows(base + v_offset, head_elems, 0, e.v.data(), n, first, rows,
+                                 shape_);
+      }
+    }
+    for (std::size_t q = 0; q < max_batch_; ++q) {
+      if (named[q]) commit(q);
+    }
+  }
+
   /// Forgets `seq`: length 0 in every layer, no ids; its blocks lose a holder, and those no
   /// sequence holds become cached (indexed ones, reusable by later prompts) or free. Never
   /// allocates. O(blocks + num_layers). @throws batch_error.
@@ -680,9 +829,15 @@ class PagedCache {
       for (std::size_t i = free; i < needed; ++i) evict_one_locked();
       return;
     }
+    throw_exhausted(describe(), needed, free, cached);
+  }
+
+  // Throws the pool_exhausted_error of an operation: "<what> needs ... evictable<note> (...)".
+  [[noreturn]] void throw_exhausted(const std::string& what, std::size_t needed, std::size_t free,
+                                    std::size_t cached, const std::string& note = {}) const {
     throw pool_exhausted_error(
-        detail::message(describe(), " needs ", needed, " blocks but the pool of ", num_blocks_,
-                        " has ", free, " free and ", cached, " evictable",
+        detail::message(what, " needs ", needed, " blocks but the pool of ", num_blocks_, " has ",
+                        free, " free and ", cached, " evictable", note,
                         evict_when_full_ ? ""
                                          : " (eviction is off: set evict_when_full or call "
                                            "evict_cached)"),
