@@ -27,6 +27,7 @@
 #include "kvcache/io/model_id.hpp"
 #include "kvcache/io/snapshot_format.hpp"
 #include "kvcache/policy/dynamic_cache.hpp"
+#include "kvcache/policy/paged_cache.hpp"
 #include "kvcache/policy/sliding_window_cache.hpp"
 #include "kvcache/policy/static_cache.hpp"
 #include "kvcache/policy/token_tracked_cache.hpp"
@@ -34,7 +35,7 @@
 namespace kvcache {
 
 /// How a policy is written to and restored from a snapshot. Specialized below for each policy
-/// (and TokenTrackedCache over any of them); a new policy (the paged cache) adds its own. Members:
+/// (and TokenTrackedCache over any of the unpaged ones); a new policy adds its own. Members:
 /// kPolicy, kTracksTokens, params(c), check_compatible(c, parsed, name) (policy parameters the
 /// destination must share), capacity_misfit(c, state) ("" when the layer state fits, else why
 /// not), restore(c, entries, tokens), and tokens(c, seq) when kTracksTokens.
@@ -138,6 +139,41 @@ struct SnapshotTraits<SlidingWindowCache<T>> {
   }
 };
 
+/// A PagedCache snapshot: each saved sequence's positions and token ids (always present: the
+/// cache tracks ids itself), not its block layout. Loading takes fresh blocks from the
+/// destination's pool, copies the rows in and indexes the full blocks in its prefix index
+/// (PagedCache::restore), so a loaded prompt serves prefix-cache hits once released.
+template <Element T, BlockHasher H>
+struct SnapshotTraits<PagedCache<T, H>> {
+  using cache_type = PagedCache<T, H>;
+  static constexpr SnapshotPolicy kPolicy = SnapshotPolicy::paged_cache;
+  static constexpr bool kTracksTokens = true;
+  [[nodiscard]] static SnapshotParams params(const cache_type& c) noexcept {
+    return {.max_batch = c.max_batch(), .max_seq_len = c.capacity(), .block_len = c.block_size()};
+  }
+  /// Nothing beyond the shape: block_size may differ between the saved cache and the
+  /// destination, because K/V rows are copied position by position into the destination's own
+  /// blocks (block_len only says how the saved cache grouped them). The destination's
+  /// max_seq_len is checked per sequence (capacity_misfit, and the ids against capacity()), its
+  /// pool by restore() (pool_exhausted_error), and hashers never meet: the prefix index is
+  /// rebuilt from the ids, not read from the file.
+  static void check_compatible(const cache_type&, const snapshot_format::Parsed&,
+                               const std::string&) noexcept {}
+  [[nodiscard]] static std::string capacity_misfit(const cache_type& c,
+                                                   const snapshot_format::LayerState& st) {
+    if (static_cast<std::uint64_t>(st.length) <= c.capacity()) return {};
+    return detail::message("holds ", st.length, " positions, more than the destination's ",
+                           "max_seq_len ", c.capacity());
+  }
+  static void restore(cache_type& c, std::span<const LayerRestore<T>> entries,
+                      std::span<const SequenceTokens> tokens) {
+    c.restore(entries, tokens);
+  }
+  [[nodiscard]] static std::span<const token_id> tokens(const cache_type& c, std::size_t seq) {
+    return c.tokens(seq);
+  }
+};
+
 /// A TokenTrackedCache is its policy plus the token ids of each sequence.
 template <class C>
 struct SnapshotTraits<TokenTrackedCache<C>> {
@@ -164,6 +200,11 @@ struct SnapshotTraits<TokenTrackedCache<C>> {
     return c.tokens(seq);
   }
 };
+
+/// Deliberately not defined: a PagedCache tracks its ids itself; wrapped in a TokenTrackedCache
+/// they would be tracked twice. Snapshot the PagedCache itself (SnapshotCache is false here).
+template <Element T, BlockHasher H>
+struct SnapshotTraits<TokenTrackedCache<PagedCache<T, H>>>;
 
 /// Options of save_snapshot().
 struct SaveOptions {
@@ -201,7 +242,8 @@ struct SnapshotSequenceInfo {
   std::size_t seq = 0;
   /// Positions appended to its layer 0 (its seq_length).
   std::size_t length = 0;
-  /// The committed token ids (TokenTrackedCache snapshots; empty otherwise).
+  /// The token ids (TokenTrackedCache snapshots: the committed ones; PagedCache snapshots: the
+  /// registered ones, which may run ahead of length; empty otherwise).
   std::vector<token_id> token_ids;
 };
 
@@ -395,6 +437,7 @@ void write_snapshot(Sink& sink, const C& cache, const ModelId& model_id, const S
                                                             {kMetaWindow, p.window},
                                                             {kMetaNumSinks, p.num_sink_tokens},
                                                             {kMetaMaxAppendLen, p.max_append_len},
+                                                            {kMetaBlockLen, p.block_len},
                                                             {kMetaNumSequences, plan.seqs.size()}};
     for (const auto& [off, v] : fields) put(std::span<std::byte>(meta), off, v);
     put(std::span<std::byte>(meta), kMetaFlags,
@@ -573,6 +616,11 @@ SnapshotInfo load_aligned(std::span<const std::byte> bytes, C& cache, const Mode
                          std::span<const T>(k, elems), std::span<const T>(k + elems, elems)});
     }
     if constexpr (Traits::kTracksTokens) {
+      if (s.num_token_ids > cache.capacity()) {
+        fail<snapshot_mismatch_error>(
+            name, s.section_offset + kSeqNumTokenIds, "sequence ", s.seq, " has ", s.num_token_ids,
+            " token ids, more than the destination's max_seq_len ", cache.capacity());
+      }
       ids[i].resize(s.num_token_ids);
       copy_bytes(ids[i].data(), bytes.data() + s.token_ids_offset,
                  s.num_token_ids * sizeof(token_id));
@@ -643,7 +691,9 @@ SnapshotInfo load_snapshot_bytes(std::span<const std::byte> bytes, C& cache,
 /// window's window and sinks, each sequence against max_batch and capacity), and only then are
 /// the saved sequences restored: each replaces the destination sequence (LoadOptions::dest_seqs,
 /// default the saved index) in every layer, with its lengths, absolute positions, evicted gap
-/// and (TokenTrackedCache) token ids exactly as saved. Other sequences are untouched.
+/// and (TokenTrackedCache, PagedCache) token ids exactly as saved. Other sequences are
+/// untouched. Into a PagedCache the replaced sequences' blocks are released, fresh ones taken
+/// from the pool and the full blocks indexed for prefix caching (PagedCache::restore).
 /// Large files are mapped and copied from the page cache into the cache's storage (no staging
 /// buffer). O(file bytes).
 /// @pre the file is not truncated while it is loaded (snapshots written by save_snapshot() never
@@ -652,7 +702,9 @@ SnapshotInfo load_snapshot_bytes(std::span<const std::byte> bytes, C& cache,
 /// @throws io_error (missing or unreadable file), snapshot_truncated_error,
 ///         snapshot_checksum_error, snapshot_format_error (malformed, with the file offset),
 ///         snapshot_mismatch_error (valid, but for another model or shape, or too large for the
-///         destination), batch_error / shape_error (bad dest_seqs), std::bad_alloc.
+///         destination), batch_error / shape_error (bad dest_seqs), pool_exhausted_error (a
+///         PagedCache whose pool lacks the blocks; names needed, free, evictable),
+///         std::bad_alloc.
 template <SnapshotCache C>
 SnapshotInfo load_snapshot(const std::filesystem::path& path, C& cache, const ModelId& model_id,
                            const LoadOptions& options = {}) {
