@@ -3,6 +3,8 @@
 // valid seeds load all the way into a cache (and mutations explore from there).
 #pragma once
 
+#include <vector>
+
 #include "kvcache/io/snapshot.hpp"
 #include "kvcache/kvcache.hpp"
 
@@ -29,6 +31,25 @@ inline DynamicCache<bfloat16> make_dynamic() {
 }
 inline TokenTrackedCache<StaticCache<half>> make_tracked() {
   return TokenTrackedCache<StaticCache<half>>(make_static());
+}
+/// A small pool holding a cached prefix of its own (ids 1, 2, 3, 4 in blocks of 2), so that loads
+/// also meet the prefix index (deduplication, eviction-free exhaustion).
+inline PagedCache<half> make_paged() {
+  PagedCache<half> cache({.num_layers = 2,
+                          .num_kv_heads = 2,
+                          .head_dim = 4,
+                          .num_blocks = 10,
+                          .block_size = 2,
+                          .max_batch = 2,
+                          .max_seq_len = 12});
+  const token_id ids[] = {1, 2, 3, 4, 5};
+  (void)cache.admit(0, ids);
+  const std::vector<float> k(5 * 2 * 4, 0.25f), v(k.size(), -0.25f);
+  for (std::size_t l = 0; l < 2; ++l) {
+    cache.append(l, 0, TokenBlock<const float>{k, 5, 2, 4}, TokenBlock<const float>{v, 5, 2, 4});
+  }
+  cache.release(0);
+  return cache;
 }
 
 }  // namespace kvcache::fuzz

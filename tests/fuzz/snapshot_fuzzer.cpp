@@ -47,16 +47,31 @@ float touch_all(const Cache& cache) {
   return sum;
 }
 
+/// A paged cache's pool statistics and invariants (nothing for the other policies).
+template <class Cache>
+PrefixCacheStats pool_stats(const Cache& cache) {
+  if constexpr (PrefixCacheConcept<Cache>) {
+    if (!cache.check_consistency().empty()) std::abort();
+    return cache.stats();
+  } else {
+    return {};
+  }
+}
+
 template <class Make>
 void fuzz_into(Make make, std::span<const std::byte> bytes) {
   auto cache = make();
   const std::vector<std::byte> before = snapshot_to_bytes(cache, fuzz::kModel);
+  const PrefixCacheStats stats_before = pool_stats(cache);
   try {
     (void)load_snapshot_bytes(bytes, cache, fuzz::kModel);
   } catch (const kvcache::error&) {
-    if (snapshot_to_bytes(cache, fuzz::kModel) != before) std::abort();  // strong guarantee
+    // strong guarantee
+    if (snapshot_to_bytes(cache, fuzz::kModel) != before) std::abort();
+    if (!(pool_stats(cache) == stats_before)) std::abort();
     return;
   }
+  (void)pool_stats(cache);  // consistent after a load
   volatile float sink = touch_all(cache);
   (void)sink;
   // What was loaded saves and loads again, identically.
@@ -74,6 +89,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   fuzz_into(fuzz::make_sliding, bytes);
   fuzz_into(fuzz::make_dynamic, bytes);
   fuzz_into(fuzz::make_tracked, bytes);
+  fuzz_into(fuzz::make_paged, bytes);
   return 0;
 }
 

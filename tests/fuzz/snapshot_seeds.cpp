@@ -73,6 +73,27 @@ int main(int argc, char** argv) {
   tr.commit(0, std::vector<token_id>{1, 2, 3, 4, 5});
   seeds.push_back(snapshot_to_bytes(tr, fuzz::kModel));
 
+  // Paged: a prompt sharing the destination's cached prefix (1, 2, 3, 4), a second sequence
+  // sharing the first's blocks with ids ahead of its K/V, and a block size other than the
+  // destination's.
+  auto pg = fuzz::make_paged();
+  const std::vector<token_id> prompt{1, 2, 3, 4, 9, 8, 7};
+  const std::size_t cached0 = pg.admit(0, prompt);  // 4: the cached prefix
+  fill(pg, rng, 0, prompt.size() - cached0, 2);
+  const std::vector<token_id> second{1, 2, 3, 4, 9, 6};
+  const std::size_t cached1 = pg.admit(1, second);  // 4 again
+  fill(pg, rng, 1, 5 - cached1, 1);                 // 6 ids, 5 positions
+  seeds.push_back(snapshot_to_bytes(pg, fuzz::kModel));
+  seeds.push_back(snapshot_to_bytes(pg, fuzz::kModel, std::vector<std::size_t>{1}));
+  PagedCache<half> pg3({.num_layers = 2,
+                        .num_kv_heads = 2,
+                        .head_dim = 4,
+                        .num_blocks = 6,
+                        .block_size = 3,
+                        .max_batch = 2});
+  (void)load_snapshot_bytes(seeds.back(), pg3, fuzz::kModel);
+  seeds.push_back(snapshot_to_bytes(pg3, fuzz::kModel));
+
   const std::size_t valid = seeds.size();
   for (std::size_t i = 0; i < valid; ++i) {
     auto flipped = seeds[i];
