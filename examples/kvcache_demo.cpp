@@ -19,6 +19,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if __has_include(<unistd.h>)
@@ -53,7 +54,8 @@ constexpr std::string_view kDefaultSpec = "8L-512d-8h-4kv-512ctx";
 constexpr std::string_view kUsage = R"(usage: kvcache_demo [command] [options]
 
 commands:
-  demo             all four scenarios, one summary table (the default)
+  demo             all four scenarios, one summary table (the default); the system prompt
+                   also from disk and, like RAG, also with automatic prefix caching (paged)
   chat             1. multi-turn chat: cached turns append only their new tokens
   system-prompt    2. one system prompt in a StaticCache serving many requests
   system-prompt-disk
@@ -74,8 +76,10 @@ model:
   --no-tokenizer        prompts and output as token ids
 
 running:
-  --cache KIND          dynamic | static | sliding (default per scenario: chat dynamic,
-                        system-prompt static, rag dynamic, generate dynamic)
+  --cache KIND          dynamic | static | sliding | paged (default per scenario: chat
+                        dynamic, system-prompt static, rag dynamic, generate dynamic).
+                        paged: a block pool with automatic prefix caching; every request
+                        submits its whole prompt and reuses what any earlier one cached
   --threads N           threads for GEMMs and attention (default: all hardware threads)
   --chunk N             prefill chunk: tokens per batched forward pass (default 256)
   --window N --sinks N  sliding window and attention sinks (default 256 and 4)
@@ -99,6 +103,7 @@ generate:
 scenario sizes:
   chat:           --turns N (6) --user-tokens N (48) --reply-tokens N (6)
   system-prompt:  --requests N (4) --system-tokens N (384) --suffix-tokens N (32)
+  paged:          --block-size N (16)
   ...-disk:       --requests N (3) --system-tokens N (384) --suffix-tokens N (32)
   rag:            --questions N (3) --doc-tokens N (1024) --suffix-tokens N (24)
   sliding:        --prompt-tokens N (64) --generate-tokens N (3 x seq_len) --checkpoints N (6)
@@ -116,6 +121,7 @@ struct Options {
   std::size_t threads = std::max(1u, std::thread::hardware_concurrency());
   std::size_t chunk = 256;
   std::size_t window = 256, sinks = 4;
+  std::size_t block_size = 16;
   llama::SamplerConfig sampler{};
   bool top_p_given = false;
   std::optional<std::string> prompt;
@@ -194,6 +200,8 @@ Options parse_args(int argc, char** argv) {
       o.window = parse_count(a, value(a));
     } else if (a == "--sinks") {
       o.sinks = parse_count(a, value(a), 0);
+    } else if (a == "--block-size") {
+      o.block_size = parse_count(a, value(a));
     } else if (a == "--temperature") {
       o.sampler.temperature = parse_float(a, value(a));
     } else if (a == "--top-p") {
@@ -305,7 +313,8 @@ struct Context {
   [[nodiscard]] llama::CacheParams cache_params() const {
     return {.window = opt.window,
             .num_sink_tokens = opt.sinks,
-            .max_append_len = std::min<std::size_t>(opt.chunk, 64)};
+            .max_append_len = std::min<std::size_t>(opt.chunk, 64),
+            .block_size = opt.block_size};
   }
   [[nodiscard]] std::string show(std::span<const token_id> ids, std::size_t max_ids = 24) const {
     if (tokenizer) {
@@ -400,6 +409,16 @@ std::string series_ms(const std::vector<llama::RequestRow>& rows,
   return s;
 }
 
+/// Hit rate and block sharing of a paged run (RequestsResult::prefix_stats set).
+std::string prefix_cache_note(const llama::RequestsResult& r) {
+  const kvcache::PrefixCacheStats& st = *r.prefix_stats;
+  return fmt::format(
+      "hit rate {:.0f}% ({} of {} prompt tokens found cached); {}-token blocks: {} in use "
+      "(without sharing {}), {} cached, {} free of {}",
+      100 * st.hit_rate(), st.reused_tokens, st.prompt_tokens, st.block_size, st.blocks_used,
+      r.blocks_unshared, st.blocks_cached, st.blocks_free, st.blocks_total);
+}
+
 void print_requests(const Context& ctx, const char* label, const llama::RequestsResult& r) {
   fmt::print("{:>4} {:>8} {:>9} {:>11} {:>13} {:>9} {:>12} {:>11}  {}\n", label, "prompt",
              "computed", "TTFT cached", "TTFT uncached", "speedup", "tok/s cached", "uncached",
@@ -413,6 +432,9 @@ void print_requests(const Context& ctx, const char* label, const llama::Requests
                row.identical ? "yes" : "NO");
   }
   fmt::print("     first reply: {}\n", ctx.show(r.rows.front().reply));
+  if (r.prefix_stats) {
+    fmt::print("     prefix cache: {}\n", prefix_cache_note(r));
+  }
   fmt::print("     cache memory after the last request: {}\n\n", mib(r.rows.back().cache_bytes));
 }
 
@@ -440,7 +462,7 @@ SummaryRow chat(Context& ctx, const std::string& stage, bool details) {
     print_requests(ctx, "turn", r);
   }
   const auto& last = r.rows.back();
-  return {
+  SummaryRow row{
       .scenario = fmt::format("1 chat, turn {} of {}", r.rows.size(), r.rows.size()),
       .cache = r.cache,
       .ttft_cached = last.ttft_cached_s,
@@ -454,6 +476,8 @@ SummaryRow chat(Context& ctx, const std::string& stage, bool details) {
                             series_ms(r.rows, &llama::RequestRow::ttft_cached_s)),
                 fmt::format("chat TTFT per turn, uncached (ms):{}",
                             series_ms(r.rows, &llama::RequestRow::ttft_uncached_s))}};
+  if (r.prefix_stats) row.notes.push_back("chat prefix cache: " + prefix_cache_note(r));
+  return row;
 }
 
 std::string prefix_note(const char* what, const llama::RequestsResult& r, std::size_t suffix) {
@@ -469,16 +493,23 @@ std::string prefix_note(const char* what, const llama::RequestsResult& r, std::s
                       what, r.prefix_tokens, ms(r.prefix_s));
 }
 
-SummaryRow shared_prefix(Context& ctx, const std::string& stage, bool rag, bool details) {
+/// Scenarios 2 and 3 on `cache` (the scenario's default, or --cache). The paged policy serves
+/// them by automatic prefix caching: nothing is prefilled up front, every request submits its
+/// whole prompt; its row's TTFT is the mean over the requests after the first, which find the
+/// shared prefix cached (the first computes it, and its TTFT goes to the notes).
+SummaryRow shared_prefix(Context& ctx, const std::string& stage, bool rag, bool details,
+                         std::optional<llama::CacheKind> cache = std::nullopt) {
   const Options& o = ctx.opt;
   const llama::SharedPrefixOptions so{
       .prefix_tokens = rag ? o.doc_tokens.value_or(1024) : o.system_tokens.value_or(384),
       .requests = rag ? o.questions.value_or(3) : o.requests.value_or(4),
       .suffix_tokens = o.suffix_tokens.value_or(rag ? 24 : 32),
       .reply_tokens = o.reply_tokens.value_or(6),
-      .cache = o.cache.value_or(rag ? llama::CacheKind::dynamic : llama::CacheKind::static_cache),
+      .cache = cache.value_or(
+          o.cache.value_or(rag ? llama::CacheKind::dynamic : llama::CacheKind::static_cache)),
       .params = ctx.cache_params(),
       .sampler = o.sampler};
+  const bool automatic = so.cache == llama::CacheKind::paged;
   llama::PromptSource source(ctx.tok(), ctx.model->config().vocab_size, rag ? 33 : 22);
   const auto r = llama::run_shared_prefix(*ctx.engine, source, so, ctx.progress.for_stage(stage));
   ctx.progress.clear();
@@ -486,32 +517,62 @@ SummaryRow shared_prefix(Context& ctx, const std::string& stage, bool rag, bool 
   if (details) {
     if (rag) {
       fmt::print(
-          "3. long-document RAG: a {}-token document cached once, {} questions of {} "
-          "tokens, {} cache\n",
-          r.prefix_tokens, so.requests, so.suffix_tokens, r.cache);
+          "3. long-document RAG: a {}-token document{}, {} questions of {} tokens, {} cache\n",
+          r.prefix_tokens, automatic ? "" : " cached once", so.requests, so.suffix_tokens, r.cache);
       fmt::print("   every answer checked against a from-scratch run of document + question\n");
     } else {
-      fmt::print(
-          "2. fixed system prompt: {} tokens cached once, {} requests of {} user tokens, "
-          "{} cache\n",
-          r.prefix_tokens, so.requests, so.suffix_tokens, r.cache);
-      fmt::print(
-          "   each request starts from the system prompt's K/V (the previous request is "
-          "cropped away)\n");
+      fmt::print("2. fixed system prompt: {} tokens{}, {} requests of {} user tokens, {} cache\n",
+                 r.prefix_tokens, automatic ? "" : " cached once", so.requests, so.suffix_tokens,
+                 r.cache);
+      fmt::print("   {}\n", automatic ? "each request submits its whole prompt; automatic prefix "
+                                        "caching finds the system prompt's blocks"
+                                      : "each request starts from the system prompt's K/V (the "
+                                        "previous request is cropped away)");
     }
     print_requests(ctx, rag ? "q" : "req", r);
   }
-  return {.scenario = rag ? "3 RAG, mean per question" : "2 system prompt, mean/request",
-          .cache = r.cache,
-          .ttft_cached = mean(r.rows, &llama::RequestRow::ttft_cached_s),
-          .ttft_uncached = mean(r.rows, &llama::RequestRow::ttft_uncached_s),
-          .decode_cached = mean(r.rows, &llama::RequestRow::decode_cached_tps),
-          .decode_uncached = mean(r.rows, &llama::RequestRow::decode_uncached_tps),
-          .check = fmt::format("{} of {} {} = from scratch",
-                               count(r.rows, [](const auto& x) { return x.identical; }),
-                               r.rows.size(), what),
-          .ok = r.all_identical(),
-          .notes = {prefix_note(rag ? "document" : "system prompt", r, so.suffix_tokens)}};
+  // The paged row averages the requests that found the prefix cached.
+  const std::vector<llama::RequestRow> hits =
+      automatic && r.rows.size() > 1
+          ? std::vector<llama::RequestRow>(r.rows.begin() + 1, r.rows.end())
+          : r.rows;
+  SummaryRow row{
+      .scenario = automatic ? (rag ? "3b RAG, prefix hits, mean" : "2c system, prefix hits, mean")
+                            : (rag ? "3 RAG, mean per question" : "2 system prompt, mean/request"),
+      .cache = r.cache,
+      .ttft_cached = mean(hits, &llama::RequestRow::ttft_cached_s),
+      .ttft_uncached = mean(hits, &llama::RequestRow::ttft_uncached_s),
+      .decode_cached = mean(hits, &llama::RequestRow::decode_cached_tps),
+      .decode_uncached = mean(hits, &llama::RequestRow::decode_uncached_tps),
+      .check = fmt::format("{} of {} {} = from scratch",
+                           count(r.rows, [](const auto& x) { return x.identical; }), r.rows.size(),
+                           what),
+      .ok = r.all_identical()};
+  if (!automatic) {
+    row.notes = {prefix_note(rag ? "document" : "system prompt", r, so.suffix_tokens)};
+  } else {
+    // A later request finds every full block of the prefix (a partly filled last block holds
+    // the first request's own tokens too, so it is computed again).
+    const std::size_t bs = r.prefix_stats->block_size;
+    const std::size_t shared = r.prefix_tokens / bs * bs;
+    const auto& first = r.rows.front();
+    const bool hits_ok = std::all_of(hits.begin(), hits.end(), [&](const auto& x) {
+      return x.prompt_tokens - x.cached_computed == shared;
+    });
+    row.check += fmt::format("; hit rate {:.0f}%", 100 * r.prefix_stats->hit_rate());
+    row.ok = row.ok && hits_ok;
+    row.notes = {
+        fmt::format(
+            "{} with automatic prefix caching (paged): the 1st request computed its {} "
+            "tokens (TTFT {}); {} found the {}-token prefix's {} full blocks cached{}",
+            rag ? "RAG" : "system prompt", first.cached_computed, ms(first.ttft_cached_s),
+            r.rows.size() > 1 ? "each later one" : "no later one", r.prefix_tokens, shared / bs,
+            hits_ok
+                ? fmt::format(" and ran only its other {} tokens", r.rows.back().cached_computed)
+                : std::string(": NOT every later one")),
+        "  " + prefix_cache_note(r)};
+  }
+  return row;
 }
 
 // 2b. The system prompt from disk: process 1 (this one) prefills it and saves the snapshot,
@@ -603,9 +664,10 @@ SummaryRow serve_from_snapshot(Context& ctx, const std::filesystem::path& path, 
           .notes = {fmt::format("from disk: process 2 (pid {}) loaded the {}-token system prompt "
                                 "({}) in {}; {}",
                                 ::getpid(), r.system_tokens, mib(r.file_bytes), ms(r.load_s),
-                                r.suffix_only(o)
-                                    ? fmt::format("each request ran only its {} new tokens",
-                                                  o.suffix_tokens)
+                                r.reused_system_prompt()
+                                    ? fmt::format("each request took {} of its tokens from it "
+                                                  "and ran only its other {}",
+                                                  r.shareable_tokens, first.disk_computed)
                                     : std::string("the cache could not keep it for every request "
                                                   "(see the computed column)")),
                     std::string("  2b's uncached columns: process 2 recomputes system prompt + "
@@ -825,10 +887,14 @@ int generate(Context& ctx) {
   params.max_seq_len = prompt.size() + o.steps;
   llama::Sampler sampler(o.sampler);
   const token_id stop[] = {llama::kBos};
+  const llama::GenerateLimits limits{.max_new = o.steps, .stop = std::span<const token_id>(stop)};
   const auto g = llama::with_cache(kind, *ctx.model, params, [&](auto& raw) {
-    kvcache::TokenTrackedCache tracked(std::move(raw));
-    return llama::generate(*ctx.engine, tracked, 0, prompt,
-                           {.max_new = o.steps, .stop = std::span<const token_id>(stop)}, sampler);
+    if constexpr (kvcache::PrefixCacheConcept<std::remove_cvref_t<decltype(raw)>>) {
+      return llama::generate(*ctx.engine, raw, 0, prompt, limits, sampler);
+    } else {
+      kvcache::TokenTrackedCache tracked(std::move(raw));
+      return llama::generate(*ctx.engine, tracked, 0, prompt, limits, sampler);
+    }
   });
   if (ctx.tokenizer) {
     std::string text;
@@ -876,12 +942,17 @@ int run(int argc, char** argv) {
     if (ctx.opt.cache) throw usage_error("demo picks the cache per scenario; drop --cache");
     fmt::print(stderr,
                "running the four scenarios (the system prompt also from disk, in a second "
-               "process), each cached and uncached and checked token for token...\n");
-    rows.push_back(chat(ctx, "[1/5 chat]", details));
-    rows.push_back(shared_prefix(ctx, "[2/5 system prompt]", false, details));
-    rows.push_back(system_prompt_disk(ctx, "[3/5 system prompt from disk]", details));
-    rows.push_back(shared_prefix(ctx, "[4/5 RAG]", true, details));
-    rows.push_back(sliding(ctx, "[5/5 sliding window]", details));
+               "process; system prompt and RAG also with automatic prefix caching), each cached "
+               "and uncached and checked token for token...\n");
+    rows.push_back(chat(ctx, "[1/7 chat]", details));
+    rows.push_back(shared_prefix(ctx, "[2/7 system prompt]", false, details));
+    rows.push_back(system_prompt_disk(ctx, "[3/7 system prompt from disk]", details));
+    rows.push_back(shared_prefix(ctx, "[4/7 system prompt, auto-prefix]", false, details,
+                                 llama::CacheKind::paged));
+    rows.push_back(shared_prefix(ctx, "[5/7 RAG]", true, details));
+    rows.push_back(
+        shared_prefix(ctx, "[6/7 RAG, auto-prefix]", true, details, llama::CacheKind::paged));
+    rows.push_back(sliding(ctx, "[7/7 sliding window]", details));
   } else if (cmd == "chat") {
     rows.push_back(chat(ctx, "[chat]", details));
   } else if (cmd == "system-prompt") {

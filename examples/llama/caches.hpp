@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // What the engine asks of a cache policy beyond CacheConcept (its attention window and append
 // limit, read from the policy when it has them), and the runtime choice of policy (--cache):
-// a CacheKind and with_cache(), which builds the cache and hands it to a generic lambda.
+// a CacheKind and with_cache(), which builds the cache and hands it to a generic lambda. The
+// paged policy (PagedCache, automatic prefix caching) is a kvcache::PrefixCacheConcept: callers
+// serve it by admit()-ing whole prompts instead of wrapping it in a TokenTrackedCache.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <limits>
 #include <string>
@@ -11,6 +14,7 @@
 
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/policy/dynamic_cache.hpp"
+#include "kvcache/policy/paged_cache.hpp"
 #include "kvcache/policy/sliding_window_cache.hpp"
 #include "kvcache/policy/static_cache.hpp"
 #include "llama/model.hpp"
@@ -58,7 +62,7 @@ template <class C>
 
 /// The cache policies selectable at run time. Adding one: an enumerator, its name in
 /// cache_kind_name(), and a branch in with_cache().
-enum class CacheKind { dynamic, static_cache, sliding };
+enum class CacheKind { dynamic, static_cache, sliding, paged };
 
 [[nodiscard]] constexpr std::string_view cache_kind_name(CacheKind k) noexcept {
   switch (k) {
@@ -68,17 +72,20 @@ enum class CacheKind { dynamic, static_cache, sliding };
       return "static";
     case CacheKind::sliding:
       return "sliding";
+    case CacheKind::paged:
+      return "paged";
   }
   return "?";
 }
 
 /// @throws usage_error listing the supported names.
 [[nodiscard]] inline CacheKind parse_cache_kind(std::string_view name) {
-  for (CacheKind k : {CacheKind::dynamic, CacheKind::static_cache, CacheKind::sliding}) {
+  for (CacheKind k :
+       {CacheKind::dynamic, CacheKind::static_cache, CacheKind::sliding, CacheKind::paged}) {
     if (name == cache_kind_name(k)) return k;
   }
   throw usage_error("--cache " + std::string(name) +
-                    ": unknown cache policy; supported: dynamic, static, sliding");
+                    ": unknown cache policy; supported: dynamic, static, sliding, paged");
 }
 
 /// What with_cache() needs to size a cache; each policy reads the fields it uses.
@@ -93,9 +100,20 @@ struct CacheParams {
   std::size_t num_sink_tokens = 4;
   /// sliding: the longest single append (the engine's prefill chunk is capped to it).
   std::size_t max_append_len = 64;
+  /// paged: tokens per block, and blocks in the pool (0: max_batch x ceil(max_seq_len /
+  /// block_size), room for every slot at full length without any sharing). Cached blocks are
+  /// evicted, least recently released first, when the pool runs out.
+  std::size_t block_size = 16;
+  std::size_t num_blocks = 0;
+
+  /// The pool of a paged cache whose sequences reach seq_len tokens.
+  [[nodiscard]] std::size_t paged_num_blocks(std::size_t seq_len) const noexcept {
+    return num_blocks != 0 ? num_blocks : max_batch * ((seq_len + block_size - 1) / block_size);
+  }
 };
 
 /// Builds a cache of policy `kind` (float elements) shaped for `model` and returns f(cache).
+/// paged with max_seq_len 0 is sized for the model's seq_len.
 /// Every branch instantiates f for its policy type, so f must be generic (auto&) and return the
 /// same type for each. @throws what the policy's constructor throws (shape_error, bad_alloc).
 template <class F>
@@ -118,6 +136,19 @@ decltype(auto) with_cache(CacheKind kind, const Model& model, const CacheParams&
                                                 .window = p.window,
                                                 .num_sink_tokens = p.num_sink_tokens,
                                                 .max_append_len = p.max_append_len});
+      return f(cache);
+    }
+    case CacheKind::paged: {
+      const std::size_t seq_len =
+          std::max<std::size_t>(1, p.max_seq_len != 0 ? p.max_seq_len : c.seq_len);
+      kvcache::PagedCache<float> cache({.num_layers = c.num_layers,
+                                        .num_kv_heads = c.num_kv_heads,
+                                        .head_dim = c.head_dim(),
+                                        .num_blocks = p.paged_num_blocks(seq_len),
+                                        .block_size = p.block_size,
+                                        .max_batch = p.max_batch,
+                                        .max_seq_len = seq_len,
+                                        .evict_when_full = true});
       return f(cache);
     }
     case CacheKind::dynamic:

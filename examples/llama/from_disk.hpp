@@ -2,6 +2,8 @@
 // The system-prompt scenario "from disk": one process prefills the system prompt and saves its
 // K/V as a snapshot (kvcache/io); another loads it and serves requests, prefilling only each
 // user suffix. Also the model identities snapshots are keyed by (weights file, synthetic spec).
+// With the paged policy the loaded system prompt becomes cached prefix blocks: every request
+// submits its whole prompt and automatic prefix caching finds the system prompt there.
 #pragma once
 
 #include <algorithm>
@@ -12,8 +14,10 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
+#include "kvcache/core/prefix_cache_concept.hpp"
 #include "kvcache/io/error.hpp"
 #include "kvcache/io/model_id.hpp"
 #include "kvcache/io/snapshot.hpp"
@@ -77,8 +81,39 @@ struct SavedSystemPrompt {
   std::uint64_t file_bytes = 0;  ///< the snapshot's size
 };
 
+namespace detail {
+
+/// Calls f(cache) with the cache the from-disk scenario keeps for `raw`: raw itself where it is
+/// a prefix cache (it tracks token ids itself), else a TokenTrackedCache around it.
+template <class Raw, class F>
+decltype(auto) with_snapshot_cache(Raw& raw, F&& f) {
+  if constexpr (kvcache::PrefixCacheConcept<Raw>) {
+    return f(raw);
+  } else {
+    kvcache::TokenTrackedCache tracked(std::move(raw));
+    return f(tracked);
+  }
+}
+
+/// Runs `tokens` on sequence `seq` of a cache kept by with_snapshot_cache and records their ids
+/// (a prefix cache registers them itself when admitting them).
+template <class C>
+void prefill_and_record(Engine& engine, C& cache, std::size_t seq,
+                        std::span<const token_id> tokens) {
+  if constexpr (kvcache::PrefixCacheConcept<C>) {
+    const std::size_t reused = cache.admit(seq, tokens);
+    engine.forward(cache, seq, tokens.subspan(reused));
+  } else {
+    engine.forward(cache, seq, tokens);
+    cache.commit(seq, tokens);
+  }
+}
+
+}  // namespace detail
+
 /// Process 1: prefills the system prompt (from `source`, see take_system_prompt) into sequence 0
-/// of a TokenTrackedCache of policy o.cache and saves it to `path` with `model_id`.
+/// of a cache of policy o.cache (a TokenTrackedCache around it, except for the paged policy,
+/// which tracks ids itself) and saves it to `path` with `model_id`.
 /// O(system_tokens x model) + O(snapshot bytes) written.
 /// @throws as Engine::forward and save_snapshot (io_error...).
 inline SavedSystemPrompt save_system_prompt(Engine& engine, PromptSource& source,
@@ -87,18 +122,18 @@ inline SavedSystemPrompt save_system_prompt(Engine& engine, PromptSource& source
                                             const kvcache::ModelId& model_id) {
   const std::vector<token_id> system = take_system_prompt(source, o.system_tokens);
   return with_cache(o.cache, engine.model(), o.cache_params(), [&](auto& raw) {
-    kvcache::TokenTrackedCache tracked(std::move(raw));
-    SavedSystemPrompt out{.tokens = system.size()};
-    const double t0 = now_s();
-    engine.forward(tracked, 0, system);
-    tracked.commit(0, system);
-    out.prefill_s = now_s() - t0;
-    const std::size_t seq0[] = {0};
-    const double t1 = now_s();
-    kvcache::save_snapshot(path, tracked, model_id, seq0);
-    out.save_s = now_s() - t1;
-    out.file_bytes = std::filesystem::file_size(path);
-    return out;
+    return detail::with_snapshot_cache(raw, [&](auto& cache) {
+      SavedSystemPrompt out{.tokens = system.size()};
+      const double t0 = now_s();
+      detail::prefill_and_record(engine, cache, 0, system);
+      out.prefill_s = now_s() - t0;
+      const std::size_t seq0[] = {0};
+      const double t1 = now_s();
+      kvcache::save_snapshot(path, cache, model_id, seq0);
+      out.save_s = now_s() - t1;
+      out.file_bytes = std::filesystem::file_size(path);
+      return out;
+    });
   });
 }
 
@@ -121,6 +156,9 @@ struct ServeResult {
   double load_s = 0;  ///< load_snapshot() before the first request
   /// The snapshot held exactly the system prompt's token ids (re-derived from the stream).
   bool holds_system_prompt = false;
+  /// System prompt tokens a request can take from the loaded state: all of them, except with
+  /// the paged policy, which shares whole blocks (a partly filled last block is recomputed).
+  std::size_t shareable_tokens = 0;
   std::vector<DiskRequestRow> rows = {};
   /// DiskPromptOptions::other_model given: its load was refused with snapshot_mismatch_error
   /// and left the serving sequence's length and token ids as they were.
@@ -132,29 +170,34 @@ struct ServeResult {
     return rows.empty() ? 0 : load_s + rows.front().ttft_disk_s;
   }
   /// The snapshot held the system prompt, every request matched its from-scratch run, and
-  /// (when asked) another model's load was refused. (Whether only suffixes ran: suffix_only.)
+  /// (when asked) another model's load was refused. (Whether the loaded system prompt served
+  /// every request: reused_system_prompt.)
   [[nodiscard]] bool ok(const DiskPromptOptions& o) const noexcept {
     bool all = holds_system_prompt && !rows.empty() && (!o.other_model || other_model_refused);
     for (const DiskRequestRow& r : rows) all = all && r.identical;
     return all;
   }
-  /// Every request's from-disk path ran only its suffix (the system prompt was never
-  /// recomputed; false where the policy had to reset, e.g. a window that evicted it).
-  [[nodiscard]] bool suffix_only(const DiskPromptOptions& o) const noexcept {
+  /// Every request's from-disk path took shareable_tokens of its prompt from the loaded state
+  /// and ran only the rest (false where the policy had to reset, e.g. a window that evicted it).
+  [[nodiscard]] bool reused_system_prompt() const noexcept {
     bool all = !rows.empty();
-    for (const DiskRequestRow& r : rows) all = all && r.disk_computed == o.suffix_tokens;
+    for (const DiskRequestRow& r : rows) {
+      all = all && r.prompt_tokens - r.disk_computed == shareable_tokens;
+    }
     return all;
   }
 };
 
 /// Process 2: loads the snapshot at `path` (saved by save_system_prompt with the same options
-/// and model) into a fresh TokenTrackedCache, then serves o.requests requests of system prompt +
+/// and model) into a fresh cache, then serves o.requests requests of system prompt +
 /// o.suffix_tokens tokens from `source` (a stream identical to process 1's: the system prompt is
-/// taken from it first). Each request runs on the loaded state (TokenTrackedCache::reuse_prefix
-/// keeps the system prompt and crops the previous request) and again from scratch in a fresh
-/// cache (the whole prompt prefilled), and the two replies are compared token for token. The
-/// first request is served from disk before anything is recomputed, so it pays what a fresh
-/// process pays. O(requests x (system + suffix + reply) x model).
+/// taken from it first). Each request runs on the loaded state and again from scratch in a fresh
+/// cache (the whole prompt prefilled), and the two replies are compared token for token. On the
+/// loaded state: a TokenTrackedCache keeps the system prompt and crops the previous request
+/// (reuse_prefix); the paged policy releases the loaded sequence, whose full blocks stay in its
+/// prefix index, and each request's admit() finds them. The first request is served from disk
+/// before anything is recomputed, so it pays what a fresh process pays.
+/// O(requests x (system + suffix + reply) x model).
 /// @throws as load_snapshot (snapshot_mismatch_error for another model or shape, io_error,
 ///         snapshot_format_error...) and Engine::forward.
 inline ServeResult serve_from_snapshot(Engine& engine, PromptSource& source,
@@ -164,52 +207,66 @@ inline ServeResult serve_from_snapshot(Engine& engine, PromptSource& source,
   const std::vector<token_id> system = take_system_prompt(source, o.system_tokens);
   const CacheParams params = o.cache_params();
   return with_cache(o.cache, engine.model(), params, [&](auto& raw) {
-    kvcache::TokenTrackedCache tracked(std::move(raw));
-    ServeResult result{.cache = std::string(cache_kind_name(o.cache))};
-    const GenerateLimits limits{.max_new = o.reply_tokens};
-    for (std::size_t r = 0; r < o.requests; ++r) {
-      std::vector<token_id> prompt = system;
-      const auto suffix = source.take(o.suffix_tokens);
-      prompt.insert(prompt.end(), suffix.begin(), suffix.end());
-      if (r == 0) {
-        const double t0 = now_s();
-        const kvcache::SnapshotInfo info = kvcache::load_snapshot(path, tracked, model_id);
-        result.load_s = now_s() - t0;
-        result.file_bytes = info.file_bytes;
-        result.system_tokens = tracked.seq_length(0);
-        const auto held = tracked.tokens(0);
-        result.holds_system_prompt =
-            std::equal(held.begin(), held.end(), system.begin(), system.end());
+    return detail::with_snapshot_cache(raw, [&](auto& cache) {
+      constexpr bool kPrefixCache =
+          kvcache::PrefixCacheConcept<std::remove_cvref_t<decltype(cache)>>;
+      ServeResult result{.cache = std::string(cache_kind_name(o.cache))};
+      const GenerateLimits limits{.max_new = o.reply_tokens};
+      for (std::size_t r = 0; r < o.requests; ++r) {
+        std::vector<token_id> prompt = system;
+        const auto suffix = source.take(o.suffix_tokens);
+        prompt.insert(prompt.end(), suffix.begin(), suffix.end());
+        if (r == 0) {
+          const double t0 = now_s();
+          const kvcache::SnapshotInfo info = kvcache::load_snapshot(path, cache, model_id);
+          result.load_s = now_s() - t0;
+          result.file_bytes = info.file_bytes;
+          result.system_tokens = cache.seq_length(0);
+          const auto held = cache.tokens(0);
+          result.holds_system_prompt =
+              std::equal(held.begin(), held.end(), system.begin(), system.end());
+          result.shareable_tokens = system.size();
+          if constexpr (kPrefixCache) {
+            const std::size_t bs = cache.stats().block_size;
+            result.shareable_tokens = system.size() / bs * bs;
+          }
+        }
+        if constexpr (kPrefixCache) cache.release(0);  // the previous request (or the load)
+        Sampler disk_sampler(o.sampler), scratch_sampler(o.sampler);
+        const Generation d = generate(engine, cache, 0, prompt, limits, disk_sampler);
+        const Generation s = with_cache(o.cache, engine.model(), params, [&](auto& fresh_raw) {
+          if constexpr (kvcache::PrefixCacheConcept<std::remove_cvref_t<decltype(fresh_raw)>>) {
+            return generate(engine, fresh_raw, 0, prompt, limits, scratch_sampler);
+          } else {
+            kvcache::TokenTrackedCache fresh(std::move(fresh_raw));
+            return generate(engine, fresh, 0, prompt, limits, scratch_sampler);
+          }
+        });
+        result.rows.push_back({.prompt_tokens = prompt.size(),
+                               .disk_computed = d.prompt_computed,
+                               .ttft_disk_s = d.ttft_s,
+                               .ttft_recompute_s = s.ttft_s,
+                               .decode_disk_tps = d.decode_tokens_per_s(),
+                               .decode_recompute_tps = s.decode_tokens_per_s(),
+                               .identical = d.tokens == s.tokens,
+                               .reply = d.tokens});
       }
-      Sampler disk_sampler(o.sampler), scratch_sampler(o.sampler);
-      const Generation d = generate(engine, tracked, 0, prompt, limits, disk_sampler);
-      const Generation s = with_cache(o.cache, engine.model(), params, [&](auto& fresh_raw) {
-        kvcache::TokenTrackedCache fresh(std::move(fresh_raw));
-        return generate(engine, fresh, 0, prompt, limits, scratch_sampler);
-      });
-      result.rows.push_back({.prompt_tokens = prompt.size(),
-                             .disk_computed = d.prompt_computed,
-                             .ttft_disk_s = d.ttft_s,
-                             .ttft_recompute_s = s.ttft_s,
-                             .decode_disk_tps = d.decode_tokens_per_s(),
-                             .decode_recompute_tps = s.decode_tokens_per_s(),
-                             .identical = d.tokens == s.tokens,
-                             .reply = d.tokens});
-    }
-    if (o.other_model) {
-      const auto before = tracked.tokens(0);
-      const std::vector<token_id> ids(before.begin(), before.end());
-      const std::size_t length = tracked.seq_length(0);
-      try {
-        (void)kvcache::load_snapshot(path, tracked, *o.other_model);
-      } catch (const kvcache::snapshot_mismatch_error& e) {
-        const auto after = tracked.tokens(0);
-        result.other_model_refused = tracked.seq_length(0) == length &&
-                                     std::equal(after.begin(), after.end(), ids.begin(), ids.end());
-        result.refusal = e.what();
+      if (o.other_model) {
+        const auto before = cache.tokens(0);
+        const std::vector<token_id> ids(before.begin(), before.end());
+        const std::size_t length = cache.seq_length(0);
+        try {
+          (void)kvcache::load_snapshot(path, cache, *o.other_model);
+        } catch (const kvcache::snapshot_mismatch_error& e) {
+          const auto after = cache.tokens(0);
+          result.other_model_refused =
+              cache.seq_length(0) == length &&
+              std::equal(after.begin(), after.end(), ids.begin(), ids.end());
+          result.refusal = e.what();
+        }
       }
-    }
-    return result;
+      return result;
+    });
   });
 }
 

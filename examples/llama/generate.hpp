@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Timed generation loops over the Engine: with a KV cache (a TokenTrackedCache sequence that
-// reuses whatever prefix of the prompt it already holds) and without one (every token from a
-// full forward pass over the whole sequence). Both report TTFT and decode time.
+// reuses whatever prefix of the prompt it already holds, or a prefix-caching cache that finds
+// the longest cached prefix of the prompt among all earlier requests) and without one (every
+// token from a full forward pass over the whole sequence). All report TTFT and decode time.
 #pragma once
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "kvcache/core/cache_concept.hpp"
+#include "kvcache/core/prefix_cache_concept.hpp"
 #include "kvcache/policy/token_tracked_cache.hpp"
 #include "llama/forward.hpp"
 #include "llama/sampler.hpp"
@@ -73,6 +75,39 @@ Generation generate(Engine& engine, kvcache::TokenTrackedCache<C>& cache, std::s
     if (g.tokens.size() == limits.max_new) break;
     logits = engine.forward(cache, seq, std::span<const token_id>(&g.tokens.back(), 1));
     cache.commit(seq, std::span<const token_id>(&g.tokens.back(), 1));
+    next = sampler.sample(logits);
+  }
+  g.decode_s = now_s() - t1;
+  return g;
+}
+
+/// Serves `prompt` on the empty sequence `seq` of a prefix-caching cache (PagedCache):
+/// admit() shares the K/V of the longest cached prefix of the prompt, whichever earlier request
+/// computed it (confirmed token by token), the rest runs as one prefill, then one token at a
+/// time, each sampled token's id registered before its K/V so that the blocks it completes are
+/// indexed for later prompts too. The sequence is left holding the prompt and the reply (all
+/// but its last token); release() it when the request is over.
+/// @pre !prompt.empty(). @throws as admit() (position_error when seq is not empty,
+///      capacity_error) and Engine::forward.
+template <kvcache::PrefixCacheConcept C>
+Generation generate(Engine& engine, C& cache, std::size_t seq, std::span<const token_id> prompt,
+                    const GenerateLimits& limits, Sampler& sampler) {
+  Generation g;
+  g.prompt_tokens = prompt.size();
+  const double t0 = now_s();
+  const std::size_t reused = cache.admit(seq, prompt);
+  g.prompt_computed = prompt.size() - reused;
+  std::span<const float> logits = engine.forward(cache, seq, prompt.subspan(reused));
+  g.first_logits.assign(logits.begin(), logits.end());
+  token_id next = sampler.sample(logits);
+  g.ttft_s = now_s() - t0;
+  const double t1 = now_s();
+  while (limits.max_new > 0 && !limits.stops(next)) {
+    g.tokens.push_back(next);
+    if (g.tokens.size() == limits.max_new) break;
+    const std::span<const token_id> last(&g.tokens.back(), 1);
+    cache.add_tokens(seq, last);
+    logits = engine.forward(cache, seq, last);
     next = sampler.sample(logits);
   }
   g.decode_s = now_s() - t1;

@@ -2,17 +2,23 @@
 // The four KV-cache scenarios of the demo, each run cached and uncached side by side in one
 // process and checked token for token: multi-turn chat, one system prompt serving many requests,
 // questions over one long document (RAG), and sliding-window generation past the model's seq_len.
+// Chat, system prompt and RAG run on any policy: through a TokenTrackedCache that reuses what its
+// sequence already holds, or, with the paged policy, by automatic prefix caching (each request
+// submits its whole prompt and the cache finds how much of it is already there).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "kvcache/core/config.hpp"
+#include "kvcache/core/prefix_cache_concept.hpp"
 #include "kvcache/policy/sliding_window_cache.hpp"
 #include "kvcache/policy/token_tracked_cache.hpp"
 #include "llama/caches.hpp"
@@ -91,30 +97,35 @@ struct RequestRow {
 struct RequestsResult {
   std::string cache = {};         ///< policy name
   std::size_t prefix_tokens = 0;  ///< system prompt / document (0 for chat)
-  double prefix_s = 0;            ///< its one-off prefill
+  double prefix_s = 0;            ///< its one-off prefill (0 with automatic prefix caching)
   std::vector<RequestRow> rows = {};
+  /// Paged policy only: the prefix cache's counters after the last request, and the blocks the
+  /// sequences then alive would hold without sharing (their block tables' entries).
+  std::optional<kvcache::PrefixCacheStats> prefix_stats = std::nullopt;
+  std::size_t blocks_unshared = 0;
 
   [[nodiscard]] bool all_identical() const noexcept {
     return std::all_of(rows.begin(), rows.end(), [](const RequestRow& r) { return r.identical; });
   }
 };
 
-/// Serves `prompt` cached (on `tracked`) and uncached and records both.
+/// Serves `prompt` cached (on sequence `seq` of `cache`: a TokenTrackedCache, or a prefix cache
+/// whose sequence is empty) and uncached, and records both.
 template <class TC>
-RequestRow serve_both_ways(Engine& engine, TC& tracked, std::span<const token_id> prompt,
+RequestRow serve_both_ways(Engine& engine, TC& cache, std::span<const token_id> prompt,
                            std::size_t reply_tokens, Sampler& cached_sampler,
-                           Sampler& uncached_sampler) {
+                           Sampler& uncached_sampler, std::size_t seq = 0) {
   const GenerateLimits limits{.max_new = reply_tokens};
-  const Generation c = generate(engine, tracked, 0, prompt, limits, cached_sampler);
+  const Generation c = generate(engine, cache, seq, prompt, limits, cached_sampler);
   const Generation u =
-      generate_uncached(engine, prompt, limits, uncached_sampler, attention_window(tracked));
+      generate_uncached(engine, prompt, limits, uncached_sampler, attention_window(cache));
   return {.prompt_tokens = prompt.size(),
           .cached_computed = c.prompt_computed,
           .ttft_cached_s = c.ttft_s,
           .ttft_uncached_s = u.ttft_s,
           .decode_cached_tps = c.decode_tokens_per_s(),
           .decode_uncached_tps = u.decode_tokens_per_s(),
-          .cache_bytes = tracked.memory_bytes(),
+          .cache_bytes = cache.memory_bytes(),
           .identical = c.tokens == u.tokens,
           .reply = c.tokens};
 }
@@ -135,8 +146,9 @@ inline RequestsResult run_chat(Engine& engine, PromptSource& source, const ChatO
                                const Progress& progress = {}) {
   CacheParams params = o.params;
   params.max_seq_len = 1 + o.turns * (o.user_tokens + o.reply_tokens);
-  return with_cache(o.cache, engine.model(), params, [&](auto& raw) {
-    kvcache::TokenTrackedCache tracked(std::move(raw));
+  // A prefix cache gets each turn's whole history: its sequence is released after a turn, and
+  // the next turn's admit() finds the history's full blocks still cached.
+  auto turns = [&](auto& cache) {
     Sampler cached_sampler(o.sampler), uncached_sampler(o.sampler);
     RequestsResult result{.cache = std::string(cache_kind_name(o.cache))};
     std::vector<token_id> history{kBos};
@@ -144,21 +156,39 @@ inline RequestsResult run_chat(Engine& engine, PromptSource& source, const ChatO
       if (progress) progress("turn " + std::to_string(turn + 1) + "/" + std::to_string(o.turns));
       const auto user = source.take(o.user_tokens);
       history.insert(history.end(), user.begin(), user.end());
-      result.rows.push_back(serve_both_ways(engine, tracked, history, o.reply_tokens,
-                                            cached_sampler, uncached_sampler));
+      if constexpr (kvcache::PrefixCacheConcept<std::remove_cvref_t<decltype(cache)>>) {
+        cache.release(0);
+      }
+      result.rows.push_back(serve_both_ways(engine, cache, history, o.reply_tokens, cached_sampler,
+                                            uncached_sampler));
       const auto& reply = result.rows.back().reply;
       history.insert(history.end(), reply.begin(), reply.end());
     }
+    if constexpr (kvcache::PrefixCacheConcept<std::remove_cvref_t<decltype(cache)>>) {
+      result.prefix_stats = cache.stats();
+      result.blocks_unshared = cache.block_table(0).size();
+    }
     return result;
+  };
+  return with_cache(o.cache, engine.model(), params, [&](auto& raw) {
+    if constexpr (kvcache::PrefixCacheConcept<std::remove_cvref_t<decltype(raw)>>) {
+      return turns(raw);
+    } else {
+      kvcache::TokenTrackedCache tracked(std::move(raw));
+      return turns(tracked);
+    }
   });
 }
 
-/// Scenarios 2 and 3: one shared prefix (a system prompt, a long document) prefilled once, then
-/// `requests` requests that each append their own `suffix_tokens` (user message, question) and
-/// generate `reply_tokens`. Cached, every request starts from the prefix's K/V: the tracked
-/// cache crops the previous request away (never recomputing the prefix); uncached, each request
-/// prefills prefix + suffix from scratch. Identical tokens both ways show that no request sees
-/// another's K/V.
+/// Scenarios 2 and 3: one shared prefix (a system prompt, a long document), then `requests`
+/// requests that each append their own `suffix_tokens` (user message, question) and generate
+/// `reply_tokens`. Uncached, each request prefills prefix + suffix from scratch. Cached with a
+/// TokenTrackedCache, the prefix is prefilled once up front and every request starts from its
+/// K/V (the tracked cache crops the previous request away, never recomputing the prefix). Cached
+/// with the paged policy (automatic prefix caching), nothing is prefilled up front: each request
+/// submits its whole prompt on a sequence of its own, held until the end; the first computes the
+/// prefix, the later ones find it cached and share its blocks. Identical tokens both ways show
+/// that no request sees another's K/V.
 struct SharedPrefixOptions {
   std::size_t prefix_tokens = 384;
   std::size_t requests = 6;
@@ -174,18 +204,12 @@ inline RequestsResult run_shared_prefix(Engine& engine, PromptSource& source,
                                         const Progress& progress = {}) {
   CacheParams params = o.params;
   params.max_seq_len = std::max<std::size_t>(1, o.prefix_tokens) + o.suffix_tokens + o.reply_tokens;
-  return with_cache(o.cache, engine.model(), params, [&](auto& raw) {
-    kvcache::TokenTrackedCache tracked(std::move(raw));
-    RequestsResult result{.cache = std::string(cache_kind_name(o.cache))};
-    std::vector<token_id> prefix{kBos};
-    const auto body = source.take(o.prefix_tokens > 1 ? o.prefix_tokens - 1 : 0);
-    prefix.insert(prefix.end(), body.begin(), body.end());
-    if (progress) progress("prefill of the " + std::to_string(prefix.size()) + "-token prefix");
-    const double t0 = now_s();
-    engine.forward(tracked, 0, prefix);
-    tracked.commit(0, prefix);
-    result.prefix_s = now_s() - t0;
-    result.prefix_tokens = prefix.size();
+  if (o.cache == CacheKind::paged) params.max_batch = std::max<std::size_t>(1, o.requests);
+  std::vector<token_id> prefix{kBos};
+  const auto body = source.take(o.prefix_tokens > 1 ? o.prefix_tokens - 1 : 0);
+  prefix.insert(prefix.end(), body.begin(), body.end());
+  auto requests = [&](auto& cache, RequestsResult& result) {
+    constexpr bool kPrefixCache = kvcache::PrefixCacheConcept<std::remove_cvref_t<decltype(cache)>>;
     for (std::size_t r = 0; r < o.requests; ++r) {
       if (progress) {
         progress("request " + std::to_string(r + 1) + "/" + std::to_string(o.requests));
@@ -194,8 +218,29 @@ inline RequestsResult run_shared_prefix(Engine& engine, PromptSource& source,
       const auto suffix = source.take(o.suffix_tokens);
       prompt.insert(prompt.end(), suffix.begin(), suffix.end());
       Sampler cached_sampler(o.sampler), uncached_sampler(o.sampler);
-      result.rows.push_back(serve_both_ways(engine, tracked, prompt, o.reply_tokens, cached_sampler,
-                                            uncached_sampler));
+      result.rows.push_back(serve_both_ways(engine, cache, prompt, o.reply_tokens, cached_sampler,
+                                            uncached_sampler, kPrefixCache ? r : 0));
+    }
+    if constexpr (kPrefixCache) {
+      result.prefix_stats = cache.stats();
+      for (std::size_t r = 0; r < o.requests; ++r) {
+        result.blocks_unshared += cache.block_table(r).size();
+      }
+    }
+  };
+  return with_cache(o.cache, engine.model(), params, [&](auto& raw) {
+    RequestsResult result{.cache = std::string(cache_kind_name(o.cache)),
+                          .prefix_tokens = prefix.size()};
+    if constexpr (kvcache::PrefixCacheConcept<std::remove_cvref_t<decltype(raw)>>) {
+      requests(raw, result);
+    } else {
+      kvcache::TokenTrackedCache tracked(std::move(raw));
+      if (progress) progress("prefill of the " + std::to_string(prefix.size()) + "-token prefix");
+      const double t0 = now_s();
+      engine.forward(tracked, 0, prefix);
+      tracked.commit(0, prefix);
+      result.prefix_s = now_s() - t0;
+      requests(tracked, result);
     }
     return result;
   });

@@ -157,6 +157,27 @@ TEST_CASE("greedy generation through every cache policy equals generation withou
   check(StaticCache<half>({.num_layers = L, .num_kv_heads = H, .head_dim = D, .max_seq_len = 60}),
         "static, fp16 storage");  // fp16 K/V: the same greedy tokens on this model (checked, not
                                   // assumed)
+  // The paged cache is served by admit() (generate's PrefixCacheConcept overload), not wrapped.
+  PagedCache<float> paged({.num_layers = L,
+                           .num_kv_heads = H,
+                           .head_dim = D,
+                           .num_blocks = 8,
+                           .block_size = 8,
+                           .max_seq_len = 60});
+  llama::Sampler s;
+  const auto got = llama::generate(engine, paged, 0, prompt, limits, s);
+  REQUIRE(got.tokens == want);
+  REQUIRE(got.prompt_computed == prompt.size());
+  REQUIRE(paged.seq_length(0) == prompt.size() + want.size() - 1);
+  REQUIRE(paged.tokens(0).size() == paged.seq_length(0));  // every fed token's id registered
+  // The same prompt again after release: the prompt's two full 8-token blocks are found in the
+  // prefix index and only its last 7 tokens run; the output is the same.
+  paged.release(0);
+  llama::Sampler s2;
+  const auto again = llama::generate(engine, paged, 0, prompt, limits, s2);
+  REQUIRE(again.prompt_computed == prompt.size() - 16);
+  REQUIRE(again.tokens == want);
+  REQUIRE(paged.check_consistency().empty());
 }
 
 TEST_CASE("a sliding window past seq_len equals uncached attention to the same window and sinks") {

@@ -57,7 +57,8 @@ TEST_CASE("requests served from a loaded snapshot equal from-scratch runs of the
   ThreadPool pool(2);
   const llama::ModelConfig config = llama::parse_synthetic_spec(kSpec);
   test::TempDir dir("from-disk");
-  for (llama::CacheKind kind : {llama::CacheKind::static_cache, llama::CacheKind::dynamic}) {
+  for (llama::CacheKind kind :
+       {llama::CacheKind::static_cache, llama::CacheKind::dynamic, llama::CacheKind::paged}) {
     INFO("cache " << llama::cache_kind_name(kind));
     const auto path = dir / (std::string(llama::cache_kind_name(kind)) + ".kvs");
     llama::DiskPromptOptions o{.system_tokens = 70,
@@ -84,7 +85,11 @@ TEST_CASE("requests served from a loaded snapshot equal from-scratch runs of the
     REQUIRE(r.system_tokens == 70);
     REQUIRE(r.holds_system_prompt);
     REQUIRE(r.rows.size() == 3);
-    REQUIRE(r.suffix_only(o));  // the system prompt was loaded, never recomputed
+    // The system prompt was loaded, never recomputed; the paged cache shares its 4 full
+    // 16-token blocks (its last 6 tokens share a block with each request's own tokens).
+    REQUIRE(r.shareable_tokens == (kind == llama::CacheKind::paged ? 64 : 70));
+    REQUIRE(r.reused_system_prompt());
+    for (const auto& row : r.rows) REQUIRE(row.disk_computed == 79 - r.shareable_tokens);
     REQUIRE(r.other_model_refused);
     REQUIRE(r.refusal.find("model id") != std::string::npos);
     REQUIRE(r.ok(o));

@@ -2,7 +2,8 @@
 // The demo's scenarios on a small synthetic model: RAG and system-prompt requests served from a
 // cached prefix produce exactly the tokens of from-scratch runs of the concatenated prompt (and
 // skipping the crop would not), chat turns match re-prefilled history, the sliding run agrees
-// with uncached windowed attention at every checkpoint in constant memory.
+// with uncached windowed attention at every checkpoint in constant memory. The paged policy
+// serves the same scenarios by automatic prefix caching.
 #include <vector>
 
 #include "kvcache/kvcache.hpp"
@@ -23,10 +24,16 @@ TEST_CASE("RAG and system-prompt answers equal from-scratch runs of the concaten
   ThreadPool pool(2);
   const llama::Model model = llama::Model::synthetic(llama::parse_synthetic_spec(kSpec), 2, &pool);
   llama::Engine engine(model, &pool, 16);
-  for (llama::CacheKind kind : {llama::CacheKind::static_cache, llama::CacheKind::dynamic}) {
+  for (llama::CacheKind kind :
+       {llama::CacheKind::static_cache, llama::CacheKind::dynamic, llama::CacheKind::paged}) {
     INFO("cache " << llama::cache_kind_name(kind));
-    const llama::SharedPrefixOptions o{
-        .prefix_tokens = 70, .requests = 3, .suffix_tokens = 9, .reply_tokens = 6, .cache = kind};
+    const bool paged = kind == llama::CacheKind::paged;
+    const llama::SharedPrefixOptions o{.prefix_tokens = 70,
+                                       .requests = 3,
+                                       .suffix_tokens = 9,
+                                       .reply_tokens = 6,
+                                       .cache = kind,
+                                       .params = {.block_size = 16}};
     llama::PromptSource source(nullptr, model.config().vocab_size, 5);
     const auto result = llama::run_shared_prefix(engine, source, o);
     REQUIRE(result.prefix_tokens == 70);
@@ -40,8 +47,15 @@ TEST_CASE("RAG and system-prompt answers equal from-scratch runs of the concaten
     const auto body = again.take(69);
     prefix.insert(prefix.end(), body.begin(), body.end());
     std::vector<token_id> previous_request;
-    for (const auto& row : result.rows) {
-      REQUIRE(row.cached_computed == 9);  // the prefix was never recomputed
+    for (std::size_t r = 0; r < result.rows.size(); ++r) {
+      const auto& row = result.rows[r];
+      if (!paged) {
+        REQUIRE(row.cached_computed == 9);  // the prefix was never recomputed
+      } else if (r == 0) {
+        REQUIRE(row.cached_computed == 79);  // nothing cached yet: the whole prompt
+      } else {
+        REQUIRE(row.cached_computed == 79 - 64);  // the prefix's 4 full blocks were found
+      }
       std::vector<token_id> prompt = prefix;
       const auto suffix = again.take(9);
       prompt.insert(prompt.end(), suffix.begin(), suffix.end());
@@ -65,6 +79,16 @@ TEST_CASE("RAG and system-prompt answers equal from-scratch runs of the concaten
       previous_request = prompt;
       previous_request.insert(previous_request.end(), row.reply.begin(), row.reply.end() - 1);
     }
+    if (paged) {
+      // Three live sequences of 79 + 5 tokens (6 blocks each) share the prefix's 4 full blocks.
+      REQUIRE(result.prefix_stats.has_value());
+      REQUIRE(result.blocks_unshared == 3 * 6);
+      REQUIRE(result.prefix_stats->blocks_used == 3 * 6 - 2 * 4);
+      REQUIRE(result.prefix_stats->reused_tokens == 2 * 64);
+      REQUIRE(result.prefix_stats->prompt_tokens == 3 * 79);
+    } else {
+      REQUIRE(!result.prefix_stats.has_value());
+    }
   }
 }
 
@@ -72,8 +96,8 @@ TEST_CASE("cached chat turns equal re-prefilling the whole history") {
   ThreadPool pool(2);
   const llama::Model model = llama::Model::synthetic(llama::parse_synthetic_spec(kSpec), 4, &pool);
   llama::Engine engine(model, &pool, 16);
-  for (llama::CacheKind kind :
-       {llama::CacheKind::dynamic, llama::CacheKind::static_cache, llama::CacheKind::sliding}) {
+  for (llama::CacheKind kind : {llama::CacheKind::dynamic, llama::CacheKind::static_cache,
+                                llama::CacheKind::sliding, llama::CacheKind::paged}) {
     INFO("cache " << llama::cache_kind_name(kind));
     llama::PromptSource source(nullptr, model.config().vocab_size, 8);
     const llama::ChatOptions o{.turns = 4,
@@ -87,9 +111,11 @@ TEST_CASE("cached chat turns equal re-prefilling the whole history") {
     for (std::size_t t = 0; t < result.rows.size(); ++t) {
       REQUIRE(result.rows[t].prompt_tokens == 1 + t * 16 + 11);
       // Turn 1 runs BOS + 11 user tokens; each later turn only the last reply token (sampled,
-      // not yet fed) and its 11 new user tokens.
+      // not yet fed) and its 11 new user tokens. (Paged, 16-token blocks: each turn's history
+      // of 12 + 16 t tokens plus 4 fed reply tokens fills whole blocks, all found next turn.)
       REQUIRE(result.rows[t].cached_computed == 12);
     }
+    REQUIRE(result.prefix_stats.has_value() == (kind == llama::CacheKind::paged));
   }
 }
 

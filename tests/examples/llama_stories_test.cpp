@@ -88,6 +88,14 @@ TEST_CASE("greedy stories260K from BOS is what llama2.c's run.c prints, with eve
   run(SlidingWindowCache<float>(
           {.num_layers = L, .num_kv_heads = H, .head_dim = D, .window = 512, .max_append_len = 16}),
       "sliding, window = seq_len");
+  {
+    INFO("policy paged");
+    PagedCache<float> paged(
+        {.num_layers = L, .num_kv_heads = H, .head_dim = D, .num_blocks = 32, .max_seq_len = 512});
+    llama::Sampler greedy;
+    const auto got = llama::generate(engine, paged, 0, bos, limits, greedy);
+    REQUIRE(got.tokens == want);
+  }
   // Without a cache every token reruns the whole sequence (quadratic): the first 64 suffice.
   llama::Sampler greedy;
   const auto uncached = llama::generate_uncached(engine, bos, {.max_new = 64}, greedy).tokens;
