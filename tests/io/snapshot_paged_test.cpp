@@ -17,10 +17,13 @@
 #include "support/tolerance.hpp"
 
 using namespace kvcache;
+using kvcache::test::concat;
+using kvcache::test::iota_ids;
 using kvcache::test::paged_state;
 using kvcache::test::require_same_contents;
 using kvcache::test::require_throws;
 using kvcache::test::SyntheticModel;
+using kvcache::test::table_of;
 using kvcache::test::TempDir;
 
 static_assert(SnapshotCache<PagedCache<float>>);
@@ -48,44 +51,10 @@ PagedCache<T> make_paged(std::size_t num_blocks, std::size_t block_size, std::si
                         .evict_when_full = evict});
 }
 
-std::vector<token_id> iota_ids(std::size_t n, token_id first) {
-  std::vector<token_id> ids(n);
-  std::iota(ids.begin(), ids.end(), first);
-  return ids;
-}
-
-std::vector<token_id> concat(std::vector<token_id> a, const std::vector<token_id>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 template <class Cache>
 std::vector<token_id> ids_of(const Cache& cache, std::size_t seq) {
   const auto ids = cache.tokens(seq);
   return {ids.begin(), ids.end()};
-}
-
-template <class Cache>
-std::vector<block_id> table_of(const Cache& cache, std::size_t seq) {
-  const auto t = cache.block_table(seq);
-  return {t.begin(), t.end()};
-}
-
-// admit, then prefill what is not cached; returns the admitted count.
-template <class Cache>
-std::size_t run_prompt(Cache& cache, std::size_t seq, const std::vector<token_id>& prompt,
-                       std::size_t chunk = 5) {
-  const std::size_t cached = cache.admit(seq, prompt);
-  kSynth.prefill(cache, seq, prompt, cached, prompt.size() - cached, chunk);
-  return cached;
-}
-
-// Registers and appends one more token.
-template <class Cache>
-void decode(Cache& cache, std::size_t seq, std::vector<token_id>& ids, token_id next) {
-  ids.push_back(next);
-  cache.add_tokens(seq, std::span<const token_id>(&ids.back(), 1));
-  kSynth.prefill(cache, seq, ids, ids.size() - 1, 1);
 }
 
 // Contents, ids and a clean consistency check: what a load must reproduce.
@@ -140,7 +109,7 @@ template <Element T>
 std::vector<std::byte> system_prompt_snapshot(const std::vector<token_id>& system,
                                               std::size_t block_size) {
   auto p = make_paged<T>(64, block_size, 1);
-  run_prompt(p, 0, system, 7);
+  kSynth.run_prompt(p, 0, system, 7);
   return snapshot_to_bytes(p, kModel);
 }
 
@@ -155,10 +124,10 @@ TEMPLATE_TEST_CASE("a paged cache survives save and load: K/V, lengths, token id
   const auto ids0 = concat(system, iota_ids(5, 1000));
   auto ids1 = concat(system, iota_ids(7, 2000));
   const auto ids2 = iota_ids(13, 3000);
-  REQUIRE(run_prompt(a, 0, ids0) == 0);
-  REQUIRE(run_prompt(a, 1, ids1) == 16);  // shares sequence 0's first 4 blocks
-  decode(a, 1, ids1, 2100);
-  decode(a, 1, ids1, 2101);
+  REQUIRE(kSynth.run_prompt(a, 0, ids0) == 0);
+  REQUIRE(kSynth.run_prompt(a, 1, ids1) == 16);  // shares sequence 0's first 4 blocks
+  kSynth.decode(a, 1, ids1, 2100);
+  kSynth.decode(a, 1, ids1, 2101);
   REQUIRE(a.admit(2, ids2) == 0);  // ids ahead of the K/V: only 6 of 13 positions prefilled
   kSynth.prefill(a, 2, ids2, 0, 6, 4);
   const auto ids3 = iota_ids(5, 5000);  // layers filled unevenly: 5 positions, then 2
@@ -207,8 +176,8 @@ TEMPLATE_TEST_CASE("a paged cache survives save and load: K/V, lengths, token id
     auto a2 = make();
     load_snapshot(dir / "paged.kvs", a2, kModel);
     auto ids1a = ids1, ids1b = ids1;
-    decode(a2, 1, ids1a, 2102);
-    decode(b, 1, ids1b, 2102);
+    kSynth.decode(a2, 1, ids1a, 2102);
+    kSynth.decode(b, 1, ids1b, 2102);
     kSynth.prefill(a2, 2, ids2, 6, 7, 3);
     kSynth.prefill(b, 2, ids2, 6, 7, 3);
     for (auto* c : {&a2, &b}) {
@@ -216,8 +185,8 @@ TEMPLATE_TEST_CASE("a paged cache survives save and load: K/V, lengths, token id
       c->fork(0, 3);
     }
     auto ids3a = ids0, ids3b = ids0;
-    decode(a2, 3, ids3a, 4000);  // into the shared partial block: copy-on-write
-    decode(b, 3, ids3b, 4000);
+    kSynth.decode(a2, 3, ids3a, 4000);  // into the shared partial block: copy-on-write
+    kSynth.decode(b, 3, ids3b, 4000);
     require_same_sequences(a2, b);
     REQUIRE(b.stats().blocks_used == a2.stats().blocks_used);
     kSynth.require_attention_matches(b, 2, ids2, rng);
@@ -232,7 +201,7 @@ TEMPLATE_TEST_CASE(
   const auto system = kvcache::test::prompt_with_prefix(rng, {}, 22);
   const auto bytes = system_prompt_snapshot<TestType>(system, 4);
   auto source = make_paged<TestType>(64, 4, 1);  // the same K/V, to compare with
-  run_prompt(source, 0, system, 7);
+  kSynth.run_prompt(source, 0, system, 7);
 
   auto q = make_paged<TestType>(16, 4, 2);  // "another process"
   load_snapshot_bytes(bytes, q, kModel);
@@ -276,9 +245,9 @@ TEST_CASE("a paged snapshot loads into a pool of another block size") {
   auto rng = kvcache::test::make_rng("snapshot-paged-block-size");
   const auto system = kvcache::test::prompt_with_prefix(rng, {}, 22);
   auto source = make_paged<float>(64, 4, 2);
-  run_prompt(source, 0, system, 7);
+  kSynth.run_prompt(source, 0, system, 7);
   auto other = concat(std::vector<token_id>(system.begin(), system.begin() + 13), iota_ids(6, 70));
-  run_prompt(source, 1, other, 3);
+  kSynth.run_prompt(source, 1, other, 3);
   const auto bytes = snapshot_to_bytes(source, kModel);
   for (std::size_t bs : {1, 3, 5, 16, 32}) {
     INFO("destination block_size " << bs);
@@ -309,16 +278,16 @@ TEST_CASE("a paged snapshot loads into a pool of another block size") {
 TEST_CASE("a destination pool too small is refused with pool_exhausted_error, nothing changed") {
   auto rng = kvcache::test::make_rng("snapshot-paged-pool");
   auto source = make_paged<float>(64, 4, 2);
-  run_prompt(source, 0, iota_ids(22, 100));  // 6 blocks
-  run_prompt(source, 1, iota_ids(9, 200));   // 3 blocks
+  kSynth.run_prompt(source, 0, iota_ids(22, 100));  // 6 blocks
+  kSynth.run_prompt(source, 1, iota_ids(9, 200));   // 3 blocks
   const auto bytes = snapshot_to_bytes(source, kModel);
 
   // 10 blocks: 2 held by sequence 2, 2 cached (a released prompt), 6 free; the load needs 9
   auto setup = [&](bool evict, std::size_t blocks) {
     auto dest = make_paged<float>(blocks, 4, 3, evict);
-    run_prompt(dest, 0, iota_ids(8, 300));
+    kSynth.run_prompt(dest, 0, iota_ids(8, 300));
     dest.release(0);
-    run_prompt(dest, 2, iota_ids(7, 400));
+    kSynth.run_prompt(dest, 2, iota_ids(7, 400));
     return dest;
   };
   for (bool evict : {false, true}) {
@@ -380,8 +349,8 @@ TEST_CASE("a destination pool too small is refused with pool_exhausted_error, no
     kvcache::test::append_random(dest, rng, 0, 16, 5);
     dest.fork(0, 1);  // 4 blocks held twice, 1 free
     auto small = make_paged<float>(8, 4, 2);
-    run_prompt(small, 0, iota_ids(8, 10));
-    run_prompt(small, 1, iota_ids(8, 20));
+    kSynth.run_prompt(small, 0, iota_ids(8, 10));
+    kSynth.run_prompt(small, 1, iota_ids(8, 20));
     const auto one = snapshot_to_bytes(small, kModel, std::vector<std::size_t>{0});
     const auto before = paged_state(dest);
     require_throws<pool_exhausted_error>(
@@ -411,8 +380,8 @@ TEST_CASE("a destination pool too small is refused with pool_exhausted_error, no
 
 TEST_CASE("PagedCache::restore validates everything before it changes anything") {
   auto c = make_paged<float>(8, 4, 3, false, 12);
-  run_prompt(c, 0, iota_ids(9, 1));
-  run_prompt(c, 1, iota_ids(6, 50));
+  kSynth.run_prompt(c, 0, iota_ids(9, 1));
+  kSynth.run_prompt(c, 1, iota_ids(6, 50));
   c.release(1);
   const auto before = paged_state(c);
   std::vector<float> k(12 * kHeads * kDim, 0.5f), v(k.size(), -0.5f);
@@ -484,7 +453,7 @@ TEST_CASE("PagedCache::restore validates everything before it changes anything")
 TEST_CASE("paged and unpaged snapshots never mix; every misfit is refused, nothing changed") {
   auto rng = kvcache::test::make_rng("snapshot-paged-mismatch");
   auto paged = make_paged<half>(32, 4, 2);
-  run_prompt(paged, 0, iota_ids(22, 1));
+  kSynth.run_prompt(paged, 0, iota_ids(22, 1));
   const auto ahead = iota_ids(20, 100);
   REQUIRE(paged.admit(1, ahead) == 0);  // 20 ids, 8 positions
   kSynth.prefill(paged, 1, ahead, 0, 8);
@@ -512,7 +481,7 @@ TEST_CASE("paged and unpaged snapshots never mix; every misfit is refused, nothi
 
   // unpaged snapshots into a paged cache
   auto dest = make_paged<half>(32, 4, 2);
-  run_prompt(dest, 1, iota_ids(6, 9));
+  kSynth.run_prompt(dest, 1, iota_ids(6, 9));
   const auto before = paged_state(dest);
   auto check_paged = [&](const std::vector<std::byte>& bytes, auto... pieces) {
     require_throws<snapshot_mismatch_error>([&] { load_snapshot_bytes(bytes, dest, kModel); },
@@ -560,7 +529,7 @@ TEST_CASE("paged and unpaged snapshots never mix; every misfit is refused, nothi
 TEST_CASE("a paged snapshot follows the documented layout; policy-4 rules are enforced") {
   auto rng = kvcache::test::make_rng("snapshot-paged-layout");
   auto c = make_paged<float>(8, 4, 2, false, 12);
-  run_prompt(c, 1, iota_ids(6, 40));
+  kSynth.run_prompt(c, 1, iota_ids(6, 40));
   const auto good = snapshot_to_bytes(c, kModel);
   const std::span<const std::byte> f(good);
   using kvcache::test::get32;
@@ -636,7 +605,7 @@ TEST_CASE("a paged snapshot follows the documented layout; policy-4 rules are en
 
   // more ids than the saved max_seq_len (an 8-token paged cache with 8 ids, one id appended)
   auto small = make_paged<float>(2, 4, 1);
-  run_prompt(small, 0, iota_ids(8, 1));
+  kSynth.run_prompt(small, 0, iota_ids(8, 1));
   auto sections = kvcache::test::split_sections(snapshot_to_bytes(small, kModel));
   auto& seq = sections[1].payload;
   kvcache::test::set64(seq, 8, 9);

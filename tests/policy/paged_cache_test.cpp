@@ -13,8 +13,11 @@
 #include "support/tolerance.hpp"
 
 using namespace kvcache;
+using kvcache::test::concat;
+using kvcache::test::iota_ids;
 using kvcache::test::require_throws;
 using kvcache::test::SyntheticModel;
+using kvcache::test::table_of;
 
 namespace {
 
@@ -35,39 +38,6 @@ PagedCache<T, Hasher> make_cache(std::size_t num_blocks, std::size_t block_size,
                                 .evict_when_full = evict});
 }
 
-std::vector<token_id> iota_ids(std::size_t n, token_id first) {
-  std::vector<token_id> ids(n);
-  std::iota(ids.begin(), ids.end(), first);
-  return ids;
-}
-
-std::vector<token_id> concat(std::vector<token_id> a, const std::vector<token_id>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-std::vector<block_id> table_of(const auto& cache, std::size_t seq) {
-  const auto t = cache.block_table(seq);
-  return {t.begin(), t.end()};
-}
-
-// The whole request flow: admit, prefill what is not cached; returns the admitted count.
-template <class Cache>
-std::size_t run_prompt(Cache& cache, std::size_t seq, const std::vector<token_id>& prompt,
-                       std::size_t chunk = 5) {
-  const std::size_t cached = cache.admit(seq, prompt);
-  kModel.prefill(cache, seq, prompt, cached, prompt.size() - cached, chunk);
-  return cached;
-}
-
-// Registers and appends one more token.
-template <class Cache>
-void decode(Cache& cache, std::size_t seq, std::vector<token_id>& ids, token_id next) {
-  ids.push_back(next);
-  cache.add_tokens(seq, std::span<const token_id>(&ids.back(), 1));
-  kModel.prefill(cache, seq, ids, ids.size() - 1, 1);
-}
-
 }  // namespace
 
 TEMPLATE_TEST_CASE(
@@ -81,10 +51,10 @@ TEMPLATE_TEST_CASE(
   b.push_back(a[10] % 50 + 1);  // diverges at position 10: blocks 0 and 1 are common
   b = kvcache::test::prompt_with_prefix(rng, b, 18);
 
-  REQUIRE(run_prompt(cache, 0, a) == 0);
+  REQUIRE(kModel.run_prompt(cache, 0, a) == 0);
   REQUIRE(cache.match_prefix(a) == 16);  // the four full blocks
   REQUIRE(cache.match_prefix(b) == 8);
-  REQUIRE(run_prompt(cache, 1, b) == 8);
+  REQUIRE(kModel.run_prompt(cache, 1, b) == 8);
   const auto t0 = table_of(cache, 0), t1 = table_of(cache, 1);
   REQUIRE(t0.size() == 5);
   REQUIRE(t1.size() == 5);
@@ -124,7 +94,7 @@ TEST_CASE(
   auto rng = kvcache::test::make_rng("paged-full-hit");
   auto cache = make_cache(8, 4, 2);
   const auto p = iota_ids(16, 100);
-  REQUIRE(run_prompt(cache, 0, p) == 0);
+  REQUIRE(kModel.run_prompt(cache, 0, p) == 0);
   const auto original = table_of(cache, 0);
   cache.release(0);
   REQUIRE(cache.stats().blocks_cached == 4);
@@ -177,7 +147,7 @@ TEST_CASE(
     for (std::size_t i = 0; i < kN; ++i) {
       const std::size_t suffix = kvcache::test::uniform(rng, 1, 20);
       const auto prompt = concat(prefix, iota_ids(suffix, static_cast<token_id>(1000 * (i + 1))));
-      const std::size_t cached = run_prompt(cache, i, prompt);
+      const std::size_t cached = kModel.run_prompt(cache, i, prompt);
       REQUIRE(cached == (i == 0 ? 0 : p / kBs * kBs));
       if (rem == 0) {
         expect_blocks += (suffix + kBs - 1) / kBs;
@@ -201,7 +171,7 @@ TEST_CASE(
   auto rng = kvcache::test::make_rng("paged-fork");
   auto cache = make_cache(16, 4, 3);
   auto ids0 = iota_ids(10, 1);
-  REQUIRE(run_prompt(cache, 0, ids0) == 0);
+  REQUIRE(kModel.run_prompt(cache, 0, ids0) == 0);
   cache.fork(0, 1);
   auto ids1 = ids0;
   const auto t = table_of(cache, 0);
@@ -211,7 +181,7 @@ TEST_CASE(
   REQUIRE(std::ranges::equal(cache.tokens(1), ids1));
 
   const auto before0 = kvcache::test::cache_contents(cache);
-  decode(cache, 1, ids1, 77);  // writes into the shared partial block 2: copied first
+  kModel.decode(cache, 1, ids1, 77);  // writes into the shared partial block 2: copied first
   REQUIRE(cache.stats().cow_copies == 1);
   REQUIRE(cache.stats().blocks_used == 4);
   const auto t1 = table_of(cache, 1);
@@ -220,15 +190,15 @@ TEST_CASE(
   for (std::size_t l = 0; l < kLayers; ++l) {
     REQUIRE(kvcache::test::view_contents(cache.view(l, 0)) == before0[l * 3 + 0]);
   }
-  decode(cache, 0, ids0, 88);  // block 2 is now sequence 0's alone: written in place
+  kModel.decode(cache, 0, ids0, 88);  // block 2 is now sequence 0's alone: written in place
   REQUIRE(cache.stats().cow_copies == 1);
   REQUIRE(table_of(cache, 0) == t);
   kModel.require_attention_matches(cache, 0, ids0, rng);
   kModel.require_attention_matches(cache, 1, ids1, rng);
 
   for (token_id x = 0; x < 5; ++x) {
-    decode(cache, 0, ids0, 200 + x);
-    decode(cache, 1, ids1, 300 + x);
+    kModel.decode(cache, 0, ids0, 200 + x);
+    kModel.decode(cache, 1, ids1, 300 + x);
   }
   REQUIRE(cache.match_prefix(ids0) == 16);
   REQUIRE(cache.match_prefix(ids1) == 16);
@@ -248,14 +218,14 @@ TEST_CASE(
   auto rng = kvcache::test::make_rng("paged-crop");
   auto cache = make_cache(16, 4, 2);
   const auto p = iota_ids(16, 1);
-  REQUIRE(run_prompt(cache, 0, p) == 0);
+  REQUIRE(kModel.run_prompt(cache, 0, p) == 0);
   cache.crop(0, 10);
   REQUIRE(cache.seq_length(0) == 10);
   REQUIRE(cache.tokens(0).size() == 10);
   REQUIRE(cache.block_table(0).size() == 3);
   REQUIRE(cache.stats().blocks_cached == 1);  // block 3 left the table but stays cached
   auto ids = std::vector<token_id>(p.begin(), p.begin() + 10);
-  for (token_id x = 0; x < 6; ++x) decode(cache, 0, ids, 500 + x);
+  for (token_id x = 0; x < 6; ++x) kModel.decode(cache, 0, ids, 500 + x);
   REQUIRE(cache.stats().cow_copies == 1);
   REQUIRE(cache.match_prefix(p) == 16);    // the original blocks 2 and 3 are still indexed
   REQUIRE(cache.match_prefix(ids) == 16);  // and so are the new ones
@@ -277,20 +247,20 @@ TEST_CASE(
   auto rng = kvcache::test::make_rng("paged-evict");
   auto cache = make_cache(6, 4, 2, /*evict=*/true);
   const auto a = iota_ids(8, 1), b = iota_ids(8, 11), c = iota_ids(16, 21);
-  REQUIRE(run_prompt(cache, 0, a) == 0);
+  REQUIRE(kModel.run_prompt(cache, 0, a) == 0);
   cache.release(0);
-  REQUIRE(run_prompt(cache, 0, b) == 0);
+  REQUIRE(kModel.run_prompt(cache, 0, b) == 0);
   cache.release(0);
   REQUIRE(cache.stats().blocks_cached == 4);
   REQUIRE(cache.stats().blocks_free == 2);
-  REQUIRE(run_prompt(cache, 0, c, 16) == 0);  // 4 blocks: 2 free + 2 evicted (a's)
+  REQUIRE(kModel.run_prompt(cache, 0, c, 16) == 0);  // 4 blocks: 2 free + 2 evicted (a's)
   REQUIRE(cache.stats().evictions == 2);
   REQUIRE(cache.match_prefix(a) == 0);
   REQUIRE(cache.match_prefix(b) == 8);
   kModel.require_attention_matches(cache, 0, c, rng);
   cache.release(0);
   REQUIRE(cache.stats().blocks_cached == 6);
-  REQUIRE(run_prompt(cache, 1, a) == 0);  // re-fill a: evicts b, the older of b and c
+  REQUIRE(kModel.run_prompt(cache, 1, a) == 0);  // re-fill a: evicts b, the older of b and c
   REQUIRE(cache.stats().evictions == 4);
   REQUIRE(cache.match_prefix(b) == 0);
   REQUIRE(cache.match_prefix(c) == 16);
@@ -305,9 +275,9 @@ TEST_CASE(
   SECTION("new blocks, eviction not opted into") {
     auto cache = make_cache(6, 4, 2);
     const auto a = iota_ids(8, 1), b = iota_ids(8, 11), c = iota_ids(16, 21);
-    run_prompt(cache, 0, a);
+    kModel.run_prompt(cache, 0, a);
     cache.release(0);
-    run_prompt(cache, 0, b);
+    kModel.run_prompt(cache, 0, b);
     cache.release(0);
     REQUIRE(cache.admit(0, c) == 0);
     const auto before = kvcache::test::paged_state(cache);
@@ -332,7 +302,7 @@ TEST_CASE(
   SECTION("copy-on-write needs a block too") {
     auto cache = make_cache(3, 4, 2);
     auto ids = iota_ids(10, 1);
-    run_prompt(cache, 0, ids);
+    kModel.run_prompt(cache, 0, ids);
     cache.fork(0, 1);  // forking needs no block
     REQUIRE(cache.stats().blocks_free == 0);
     const auto before = kvcache::test::paged_state(cache);
@@ -343,13 +313,13 @@ TEST_CASE(
     REQUIRE(kvcache::test::paged_state(cache) == before);
     cache.release(0);  // now sequence 1 holds block 2 alone and writes it in place
     auto ids1 = ids;
-    decode(cache, 1, ids1, 9);
+    kModel.decode(cache, 1, ids1, 9);
     REQUIRE(cache.stats().cow_copies == 0);
     kModel.require_attention_matches(cache, 1, ids1, rng);
   }
   SECTION("with eviction opted in, only what is neither free nor cached is missing") {
     auto cache = make_cache(4, 4, 2, /*evict=*/true, /*max_seq_len=*/32);
-    run_prompt(cache, 0, iota_ids(8, 1));
+    kModel.run_prompt(cache, 0, iota_ids(8, 1));
     cache.release(0);
     REQUIRE(cache.admit(1, iota_ids(20, 50)) == 0);
     const auto before = kvcache::test::paged_state(cache);
@@ -387,8 +357,8 @@ TEST_CASE(
     std::vector<token_id> prompt(kvcache::test::uniform(rng, 1, 12));
     for (auto& t : prompt) t = static_cast<token_id>(kvcache::test::uniform(rng, 1, 2));
     REQUIRE(exact.match_prefix(prompt) == normal.match_prefix(prompt));
-    const std::size_t got = run_prompt(exact, seq, prompt, 3);
-    REQUIRE(run_prompt(normal, seq, prompt, 3) == got);
+    const std::size_t got = kModel.run_prompt(exact, seq, prompt, 3);
+    REQUIRE(kModel.run_prompt(normal, seq, prompt, 3) == got);
     ids[seq] = prompt;
     kModel.require_attention_matches(exact, seq, prompt, rng, 2, 1);
     REQUIRE(exact.stats() == normal.stats());
@@ -430,11 +400,11 @@ TEST_CASE("a block is indexed once every layer holds it and its ids are register
                          .num_blocks = 8,
                          .block_size = 4,
                          .enable_prefix_caching = false});
-  REQUIRE(run_prompt(off, 0, p) == 0);
+  REQUIRE(kModel.run_prompt(off, 0, p) == 0);
   REQUIRE(off.match_prefix(p) == 0);
   off.release(0);
   REQUIRE(off.stats().blocks_free == 8);
-  REQUIRE(run_prompt(off, 0, p) == 0);
+  REQUIRE(kModel.run_prompt(off, 0, p) == 0);
   REQUIRE(off.stats().reused_tokens == 0);
 }
 
@@ -442,10 +412,11 @@ TEST_CASE("reorder moves block tables between beams without copying K/V") {
   auto rng = kvcache::test::make_rng("paged-reorder");
   auto cache = make_cache(32, 4, 4);
   std::vector<std::vector<token_id>> beam(3, iota_ids(9, 1));
-  run_prompt(cache, 0, beam[0]);
+  kModel.run_prompt(cache, 0, beam[0]);
   cache.fork(0, 1);
   cache.fork(0, 2);
-  for (std::size_t i = 0; i < 3; ++i) decode(cache, i, beam[i], static_cast<token_id>(40 + i));
+  for (std::size_t i = 0; i < 3; ++i)
+    kModel.decode(cache, i, beam[i], static_cast<token_id>(40 + i));
   const auto used = cache.stats().blocks_used;
   const auto cows = cache.stats().cow_copies;
   std::vector<std::vector<block_id>> tables;
@@ -474,7 +445,7 @@ TEST_CASE(
   for (std::size_t bs : {4u, 7u, 16u, 33u}) {  // tiles of 32 keys made of 8, 5, 2, 1-2 runs
     auto cache = make_cache<half>(80, bs, 1);
     const auto ids = kvcache::test::prompt_with_prefix(rng, {}, 150);
-    run_prompt(cache, 0, ids, 9);
+    kModel.run_prompt(cache, 0, ids, 9);
     const auto view = cache.view(1, 0);
     REQUIRE(view.num_segments() == (150 + bs - 1) / bs);
     kvcache::test::check_view_invariants(view);
@@ -506,7 +477,7 @@ TEST_CASE(
 TEST_CASE("a paged view is one segment per block, read in place from the pool") {
   auto cache = make_cache<bfloat16>(8, 4, 2);
   const auto ids = iota_ids(11, 1);
-  run_prompt(cache, 1, ids);
+  kModel.run_prompt(cache, 1, ids);
   REQUIRE(cache.memory_bytes() == kv_cache_bytes(kLayers, kHeads, kDim, 8 * 4, 2));
   for (std::size_t l = 0; l < kLayers; ++l) {
     const auto view = cache.view(l, 1);
@@ -542,7 +513,7 @@ TEST_CASE("every PagedCache error is typed, names the numbers and changes nothin
   auto rng = kvcache::test::make_rng("paged-errors");
   auto cache = make_cache(8, 4, 3, false, 12);
   const auto ids = iota_ids(10, 1);
-  run_prompt(cache, 1, ids);
+  kModel.run_prompt(cache, 1, ids);
   cache.fork(1, 2);
   const auto before = kvcache::test::paged_state(cache);
   const auto kv = kModel.kv(0, iota_ids(12, 1), 0, 5);

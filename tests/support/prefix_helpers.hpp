@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <span>
 #include <vector>
 
@@ -61,6 +62,24 @@ struct SyntheticModel {
         done += c;
       }
     }
+  }
+
+  /// The request flow on the empty sequence `seq`: admit `prompt`, then prefill what is not
+  /// cached, `chunk` tokens per append. Returns the admitted (cached) count.
+  template <class Cache>
+  std::size_t run_prompt(Cache& cache, std::size_t seq, const std::vector<token_id>& prompt,
+                         std::size_t chunk = 5) const {
+    const std::size_t cached = cache.admit(seq, prompt);
+    prefill(cache, seq, prompt, cached, prompt.size() - cached, chunk);
+    return cached;
+  }
+
+  /// One decode step: appends `next` to `ids`, registers it, then appends its K/V.
+  template <class Cache>
+  void decode(Cache& cache, std::size_t seq, std::vector<token_id>& ids, token_id next) const {
+    ids.push_back(next);
+    cache.add_tokens(seq, std::span<const token_id>(&ids.back(), 1));
+    prefill(cache, seq, ids, ids.size() - 1, 1);
   }
 
   /// Attention of the last nq positions of `ids` (queries q) over K/V of all of ids, recomputed
@@ -127,6 +146,26 @@ PagedState paged_state(const Cache& cache) {
     s.tables.emplace_back(table.begin(), table.end());
   }
   return s;
+}
+
+/// n consecutive ids first, first + 1, ...
+inline std::vector<token_id> iota_ids(std::size_t n, token_id first) {
+  std::vector<token_id> ids(n);
+  std::iota(ids.begin(), ids.end(), first);
+  return ids;
+}
+
+/// a followed by b.
+inline std::vector<token_id> concat(std::vector<token_id> a, const std::vector<token_id>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+/// A copy of the block table of `seq`.
+template <class Cache>
+std::vector<block_id> table_of(const Cache& cache, std::size_t seq) {
+  const auto t = cache.block_table(seq);
+  return {t.begin(), t.end()};
 }
 
 /// `n` ids: `prefix` followed by n - prefix.size() ids drawn from [1, vocab].
