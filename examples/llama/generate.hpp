@@ -49,6 +49,36 @@ struct GenerateLimits {
   }
 };
 
+namespace detail {
+
+/// The timed loop every generate variant shares. `prefill(g)` runs what is needed of the prompt,
+/// sets g.prompt_computed and returns the logits after it; `feed(t)` runs the sampled token t
+/// (the latest of g.tokens) and returns the logits after it. TTFT covers prefill and the first
+/// sample; decode covers the rest. Stops at limits.max_new tokens (the last is sampled, never
+/// fed) or before a stop token.
+template <class Prefill, class Feed>
+Generation timed_generation(std::span<const token_id> prompt, const GenerateLimits& limits,
+                            Sampler& sampler, Prefill&& prefill, Feed&& feed) {
+  Generation g;
+  g.prompt_tokens = prompt.size();
+  const double t0 = now_s();
+  std::span<const float> logits = prefill(g);
+  g.first_logits.assign(logits.begin(), logits.end());
+  token_id next = sampler.sample(logits);
+  g.ttft_s = now_s() - t0;
+  const double t1 = now_s();
+  while (limits.max_new > 0 && !limits.stops(next)) {
+    g.tokens.push_back(next);
+    if (g.tokens.size() == limits.max_new) break;
+    logits = feed(next);
+    next = sampler.sample(logits);
+  }
+  g.decode_s = now_s() - t1;
+  return g;
+}
+
+}  // namespace detail
+
 /// Serves `prompt` on sequence `seq` of a token-tracked cache: keeps the longest prefix of the
 /// prompt the sequence already holds (TokenTrackedCache::reuse_prefix: tokens of an earlier
 /// request that the prompt does not start with are dropped first), runs the rest as one
@@ -58,27 +88,21 @@ template <kvcache::CacheConcept C>
 Generation generate(Engine& engine, kvcache::TokenTrackedCache<C>& cache, std::size_t seq,
                     std::span<const token_id> prompt, const GenerateLimits& limits,
                     Sampler& sampler) {
-  Generation g;
-  g.prompt_tokens = prompt.size();
-  const double t0 = now_s();
-  const std::size_t reused = cache.reuse_prefix(seq, prompt);
-  const auto fresh = prompt.subspan(reused);
-  g.prompt_computed = fresh.size();
-  std::span<const float> logits = engine.forward(cache, seq, fresh);
-  cache.commit(seq, fresh);
-  g.first_logits.assign(logits.begin(), logits.end());
-  token_id next = sampler.sample(logits);
-  g.ttft_s = now_s() - t0;
-  const double t1 = now_s();
-  while (limits.max_new > 0 && !limits.stops(next)) {
-    g.tokens.push_back(next);
-    if (g.tokens.size() == limits.max_new) break;
-    logits = engine.forward(cache, seq, std::span<const token_id>(&g.tokens.back(), 1));
-    cache.commit(seq, std::span<const token_id>(&g.tokens.back(), 1));
-    next = sampler.sample(logits);
-  }
-  g.decode_s = now_s() - t1;
-  return g;
+  return detail::timed_generation(
+      prompt, limits, sampler,
+      [&](Generation& g) {
+        const auto fresh = prompt.subspan(cache.reuse_prefix(seq, prompt));
+        g.prompt_computed = fresh.size();
+        const std::span<const float> logits = engine.forward(cache, seq, fresh);
+        cache.commit(seq, fresh);
+        return logits;
+      },
+      [&](const token_id& t) {
+        const std::span<const token_id> one(&t, 1);
+        const std::span<const float> logits = engine.forward(cache, seq, one);
+        cache.commit(seq, one);
+        return logits;
+      });
 }
 
 /// Serves `prompt` on the empty sequence `seq` of a prefix-caching cache (PagedCache):
@@ -92,26 +116,18 @@ Generation generate(Engine& engine, kvcache::TokenTrackedCache<C>& cache, std::s
 template <kvcache::PrefixCacheConcept C>
 Generation generate(Engine& engine, C& cache, std::size_t seq, std::span<const token_id> prompt,
                     const GenerateLimits& limits, Sampler& sampler) {
-  Generation g;
-  g.prompt_tokens = prompt.size();
-  const double t0 = now_s();
-  const std::size_t reused = cache.admit(seq, prompt);
-  g.prompt_computed = prompt.size() - reused;
-  std::span<const float> logits = engine.forward(cache, seq, prompt.subspan(reused));
-  g.first_logits.assign(logits.begin(), logits.end());
-  token_id next = sampler.sample(logits);
-  g.ttft_s = now_s() - t0;
-  const double t1 = now_s();
-  while (limits.max_new > 0 && !limits.stops(next)) {
-    g.tokens.push_back(next);
-    if (g.tokens.size() == limits.max_new) break;
-    const std::span<const token_id> last(&g.tokens.back(), 1);
-    cache.add_tokens(seq, last);
-    logits = engine.forward(cache, seq, last);
-    next = sampler.sample(logits);
-  }
-  g.decode_s = now_s() - t1;
-  return g;
+  return detail::timed_generation(
+      prompt, limits, sampler,
+      [&](Generation& g) {
+        const std::size_t reused = cache.admit(seq, prompt);
+        g.prompt_computed = prompt.size() - reused;
+        return engine.forward(cache, seq, prompt.subspan(reused));
+      },
+      [&](const token_id& t) {
+        const std::span<const token_id> one(&t, 1);
+        cache.add_tokens(seq, one);
+        return engine.forward(cache, seq, one);
+      });
 }
 
 /// The same request without a KV cache: the first token from a forward pass over the prompt,
@@ -121,24 +137,17 @@ Generation generate(Engine& engine, C& cache, std::size_t seq, std::span<const t
 inline Generation generate_uncached(Engine& engine, std::span<const token_id> prompt,
                                     const GenerateLimits& limits, Sampler& sampler,
                                     const AttentionWindow& window = {}) {
-  Generation g;
-  g.prompt_tokens = g.prompt_computed = prompt.size();
   std::vector<token_id> all(prompt.begin(), prompt.end());
-  const double t0 = now_s();
-  std::span<const float> logits = engine.forward_uncached(all, window);
-  g.first_logits.assign(logits.begin(), logits.end());
-  token_id next = sampler.sample(logits);
-  g.ttft_s = now_s() - t0;
-  const double t1 = now_s();
-  while (limits.max_new > 0 && !limits.stops(next)) {
-    g.tokens.push_back(next);
-    if (g.tokens.size() == limits.max_new) break;
-    all.push_back(next);
-    logits = engine.forward_uncached(all, window);
-    next = sampler.sample(logits);
-  }
-  g.decode_s = now_s() - t1;
-  return g;
+  return detail::timed_generation(
+      prompt, limits, sampler,
+      [&](Generation& g) {
+        g.prompt_computed = prompt.size();
+        return engine.forward_uncached(all, window);
+      },
+      [&](token_id t) {
+        all.push_back(t);
+        return engine.forward_uncached(all, window);
+      });
 }
 
 }  // namespace llama
