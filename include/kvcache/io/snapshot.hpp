@@ -42,6 +42,19 @@ namespace kvcache {
 template <class C>
 struct SnapshotTraits;
 
+namespace detail {
+
+/// capacity_misfit() of the policies that hold every position: "" when the layer's length fits
+/// max_seq_len `capacity`, else why not.
+[[nodiscard]] inline std::string length_misfit(std::size_t capacity,
+                                               const snapshot_format::LayerState& st) {
+  if (static_cast<std::uint64_t>(st.length) <= capacity) return {};
+  return message("holds ", st.length, " positions, more than the destination's max_seq_len ",
+                 capacity);
+}
+
+}  // namespace detail
+
 /// A cache that save_snapshot() and load_snapshot() accept.
 template <class C>
 concept SnapshotCache = CacheConcept<C> && requires {
@@ -61,9 +74,7 @@ struct SnapshotTraits<StaticCache<T>> {
                                const std::string&) noexcept {}
   [[nodiscard]] static std::string capacity_misfit(const cache_type& c,
                                                    const snapshot_format::LayerState& st) {
-    if (static_cast<std::uint64_t>(st.length) <= c.capacity()) return {};
-    return detail::message("holds ", st.length, " positions, more than the destination's ",
-                           "max_seq_len ", c.capacity());
+    return detail::length_misfit(c.capacity(), st);
   }
   static void restore(cache_type& c, std::span<const LayerRestore<T>> entries,
                       std::span<const SequenceTokens>) {
@@ -86,9 +97,7 @@ struct SnapshotTraits<DynamicCache<T>> {
                                const std::string&) noexcept {}
   [[nodiscard]] static std::string capacity_misfit(const cache_type& c,
                                                    const snapshot_format::LayerState& st) {
-    if (static_cast<std::uint64_t>(st.length) <= c.capacity()) return {};
-    return detail::message("holds ", st.length, " positions, more than the destination's ",
-                           "max_seq_len ", c.capacity());
+    return detail::length_misfit(c.capacity(), st);
   }
   static void restore(cache_type& c, std::span<const LayerRestore<T>> entries,
                       std::span<const SequenceTokens>) {
@@ -161,9 +170,7 @@ struct SnapshotTraits<PagedCache<T, H>> {
                                const std::string&) noexcept {}
   [[nodiscard]] static std::string capacity_misfit(const cache_type& c,
                                                    const snapshot_format::LayerState& st) {
-    if (static_cast<std::uint64_t>(st.length) <= c.capacity()) return {};
-    return detail::message("holds ", st.length, " positions, more than the destination's ",
-                           "max_seq_len ", c.capacity());
+    return detail::length_misfit(c.capacity(), st);
   }
   static void restore(cache_type& c, std::span<const LayerRestore<T>> entries,
                       std::span<const SequenceTokens> tokens) {
