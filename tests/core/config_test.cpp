@@ -40,8 +40,12 @@ TEST_CASE("every policy's memory_bytes is what it holds") {
   REQUIRE(w.ring_len() == 14);
   REQUIRE(w.memory_bytes() == kv_cache_bytes(2, 2, 4, 2 + 14, 4, 3));
 
-  DynamicCache<bfloat16> d(
-      {.num_layers = 2, .num_kv_heads = 2, .head_dim = 4, .max_batch = 2, .chunk_len = 8});
+  DynamicCache<bfloat16> d({.num_layers = 2,
+                            .num_kv_heads = 2,
+                            .head_dim = 4,
+                            .max_batch = 2,
+                            .chunk_len = 8,
+                            .max_spare_chunks = 0});  // freed at once; spares: dynamic_cache_test
   REQUIRE(d.memory_bytes() == 0);
   std::vector<float> kv(9 * 2 * 4, 1.0f);
   d.append(0, 1, TokenBlock<const float>{kv, 9, 2, 4}, TokenBlock<const float>{kv, 9, 2, 4});

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // DynamicCache: grows as tokens arrive, one fixed-size chunk at a time, so nothing already cached
-// is ever copied again; crop and reset give whole chunks back.
+// is ever copied again; crop and reset keep the chunks they empty for the next append to reuse,
+// up to a bound, and shrink_to_fit() gives them back.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -29,6 +31,12 @@ struct DynamicCacheConfig {
   /// Tokens per chunk: the allocation granule. Memory held per (layer, sequence) is
   /// ceil(length / chunk_len) chunks.
   std::size_t chunk_len = 256;
+  /// Most chunks that crop and reset keep as spares, instead of freeing them, for later appends
+  /// of any layer or sequence to reuse: a reused chunk costs neither an allocation nor the
+  /// page faults of first touching fresh memory. Spares count in memory_bytes();
+  /// shrink_to_fit() frees them. 0 = free at once; the default keeps every one, so the cache
+  /// holds its high-water mark like a std::vector after clear().
+  std::size_t max_spare_chunks = std::numeric_limits<std::size_t>::max();
 };
 
 /// Growable cache. Each (layer, sequence) owns a list of chunks, each one allocation of
@@ -48,7 +56,8 @@ class DynamicCache {
         max_batch_(config.max_batch),
         max_seq_len_(config.max_seq_len == 0 ? std::numeric_limits<std::size_t>::max()
                                              : config.max_seq_len),
-        chunk_len_(config.chunk_len) {
+        chunk_len_(config.chunk_len),
+        max_spare_chunks_(config.max_spare_chunks) {
     detail::require_nonzero(config.num_layers, kName, "num_layers");
     detail::require_nonzero(config.num_kv_heads, kName, "num_kv_heads");
     detail::require_nonzero(config.head_dim, kName, "head_dim");
@@ -60,8 +69,9 @@ class DynamicCache {
     slots_.resize(shape_.num_layers * max_batch_);
   }
 
-  /// Appends n = k.num_tokens tokens to `layer` of `seq` (CacheConcept requirement 2),
-  /// allocating ceil((length + n) / chunk_len) - chunks held new chunks first.
+  /// Appends n = k.num_tokens tokens to `layer` of `seq` (CacheConcept requirement 2), first
+  /// taking the ceil((length + n) / chunk_len) - chunks held chunks it lacks from the spares,
+  /// then allocating the rest.
   /// @throws layer_error, batch_error, shape_error, capacity_error (past max_seq_len),
   ///         std::bad_alloc; the cache is unchanged on throw.
   template <class U>
@@ -80,11 +90,17 @@ class DynamicCache {
     }
     const std::size_t need = (slot.length + n + chunk_len_ - 1) / chunk_len_;
     if (need > slot.chunks.size()) {
+      const std::size_t missing = need - slot.chunks.size();
+      const std::size_t reused = std::min(missing, spare_.size());
       std::vector<AlignedBuffer<T>> grown;  // built aside, so bad_alloc changes nothing
-      grown.reserve(need);
-      for (std::size_t i = slot.chunks.size(); i < need; ++i) grown.emplace_back(chunk_elems_);
+      grown.reserve(missing - reused);
+      for (std::size_t i = reused; i < missing; ++i) grown.emplace_back(chunk_elems_);
       slot.chunks.reserve(need);
-      for (auto& c : grown) slot.chunks.push_back(std::move(c));  // no throw after reserve
+      for (std::size_t i = 0; i < reused; ++i) {  // no throw after the reserve
+        slot.chunks.push_back(std::move(spare_.back()));
+        spare_.pop_back();
+      }
+      for (auto& c : grown) slot.chunks.push_back(std::move(c));
       allocated_bytes_ += grown.size() * chunk_elems_ * sizeof(T);
     }
     const std::size_t d = shape_.head_dim;
@@ -121,30 +137,36 @@ class DynamicCache {
   [[nodiscard]] std::size_t max_batch() const noexcept { return max_batch_; }
   [[nodiscard]] std::size_t chunk_len() const noexcept { return chunk_len_; }
   [[nodiscard]] CacheShape shape() const noexcept { return shape_; }
-  /// Bytes of all chunks currently allocated.
+  /// Bytes of all chunks currently allocated: those holding tokens and the spares.
   [[nodiscard]] std::size_t memory_bytes() const noexcept { return allocated_bytes_; }
+  /// Bytes of the spare chunks alone (part of memory_bytes()).
+  [[nodiscard]] std::size_t spare_bytes() const noexcept {
+    return spare_.size() * chunk_elems_ * sizeof(T);
+  }
+
+  /// Frees every spare chunk; the chunks holding tokens stay. O(spares).
+  void shrink_to_fit() noexcept {
+    allocated_bytes_ -= spare_bytes();
+    spare_.clear();
+    spare_.shrink_to_fit();
+  }
 
   [[nodiscard]] bool can_crop(std::size_t seq, std::size_t n) const { return n <= seq_length(seq); }
 
-  /// Rolls every layer of `seq` back to at most n tokens and frees chunks no longer needed.
-  /// @throws batch_error, position_error (n > seq_length); unchanged on throw.
+  /// Rolls every layer of `seq` back to at most n tokens; the chunks no longer needed become
+  /// spares (up to max_spare_chunks) or are freed.
+  /// @throws batch_error, position_error (n > seq_length), std::bad_alloc (room for the spare
+  ///         list); unchanged on throw.
   void crop(std::size_t seq, std::size_t n) {
     detail::check_crop_length(kName, seq, n, seq_length(seq));
-    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
-      Slot& slot = slots_[l * max_batch_ + seq];
-      slot.length = std::min(slot.length, n);
-      release_chunks_beyond(slot, (slot.length + chunk_len_ - 1) / chunk_len_);
-    }
+    release(seq, n);
   }
 
-  /// Empties `seq` in every layer and frees its chunks. @throws batch_error.
+  /// Empties `seq` in every layer; its chunks become spares (up to max_spare_chunks) or are
+  /// freed. @throws batch_error, std::bad_alloc (room for the spare list); unchanged on throw.
   void reset(std::size_t seq) {
     detail::check_seq(kName, seq, max_batch_);
-    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
-      Slot& slot = slots_[l * max_batch_ + seq];
-      slot.length = 0;
-      release_chunks_beyond(slot, 0);
-    }
+    release(seq, 0);
   }
 
   /// Snapshot restore hook: puts each listed (layer, seq) in the given state, positions
@@ -209,10 +231,28 @@ class DynamicCache {
     return slots_[layer * max_batch_ + seq];
   }
 
-  void release_chunks_beyond(Slot& slot, std::size_t keep) noexcept {
-    if (slot.chunks.size() > keep) {
-      allocated_bytes_ -= (slot.chunks.size() - keep) * chunk_elems_ * sizeof(T);
-      slot.chunks.resize(keep);
+  /// Cuts every layer of `seq` to at most n tokens. The spare list grows first (the only step
+  /// that can throw), then chunks move into it or are freed.
+  void release(std::size_t seq, std::size_t n) {
+    const std::size_t keep = (n + chunk_len_ - 1) / chunk_len_;
+    std::size_t emptied = 0;
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      const Slot& slot = slots_[l * max_batch_ + seq];
+      emptied += slot.chunks.size() > keep ? slot.chunks.size() - keep : 0;
+    }
+    const std::size_t room = max_spare_chunks_ - std::min(max_spare_chunks_, spare_.size());
+    spare_.reserve(spare_.size() + std::min(emptied, room));
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      Slot& slot = slots_[l * max_batch_ + seq];
+      slot.length = std::min(slot.length, n);
+      while (slot.chunks.size() > keep) {
+        if (spare_.size() < max_spare_chunks_) {
+          spare_.push_back(std::move(slot.chunks.back()));  // within the reserve: no throw
+        } else {
+          allocated_bytes_ -= chunk_elems_ * sizeof(T);
+        }
+        slot.chunks.pop_back();
+      }
     }
   }
 
@@ -220,9 +260,11 @@ class DynamicCache {
   std::size_t max_batch_;
   std::size_t max_seq_len_;
   std::size_t chunk_len_;
+  std::size_t max_spare_chunks_;
   std::size_t chunk_elems_ = 0;
-  std::size_t allocated_bytes_ = 0;
-  std::vector<Slot> slots_;  // [layer][seq]
+  std::size_t allocated_bytes_ = 0;  // chunks in slots_ and in spare_
+  std::vector<Slot> slots_;          // [layer][seq]
+  std::vector<AlignedBuffer<T>> spare_;
 };
 
 static_assert(CacheConcept<DynamicCache<float>>);
