@@ -139,3 +139,45 @@ TEST_CASE("a sliding window that evicted the shared prefix is reset rather than 
   REQUIRE(cache.seq_length(0) == 0);
   REQUIRE(cache.tokens(0).empty());
 }
+
+TEST_CASE("a DynamicCache reused for a new prompt keeps the cropped chunks for the next turn") {
+  ToyModel model;
+  TokenTrackedCache<DynamicCache<float>> cache(DynamicCache<float>(
+      {.num_layers = kLayers, .num_kv_heads = kHeads, .head_dim = kDim, .chunk_len = 4}));
+  const std::vector<token_id> prompt_a{1, 10, 11, 12, 13, 14, 15, 16, 17, 18};  // 3 chunks
+  const std::vector<token_id> prompt_b{1, 10, 11, 99, 98, 97, 96, 95, 94};      // shares 3
+  model.prefill(cache, 0, prompt_a);
+  const std::size_t chunk = kv_cache_bytes(1, kHeads, kDim, 4, sizeof(float));
+  REQUIRE(cache.memory_bytes() == kLayers * 3 * chunk);
+
+  REQUIRE(cache.reuse_prefix(0, prompt_b) == 3);
+  REQUIRE(cache.cache().spare_bytes() == kLayers * 2 * chunk);  // chunks 2 and 3 of each layer
+  const auto q = kvcache::test::normal_floats(model.rng, kHeads * kDim);
+  SECTION("the next turn's tokens go into the spares: no new memory, no contamination") {
+    model.prefill(cache, 0, std::span<const token_id>(prompt_b).subspan(3));
+    REQUIRE(cache.memory_bytes() == kLayers * 3 * chunk);
+    REQUIRE(cache.cache().spare_bytes() == 0);
+    kvcache::test::require_close(attend_last(cache, 0, q), model.scratch(prompt_b, q),
+                                 Tolerance{2e-5, 2e-5});
+  }
+  SECTION("shrink_to_fit frees the spares and keeps the shared prefix") {
+    cache.shrink_to_fit();
+    REQUIRE(cache.memory_bytes() == kLayers * 1 * chunk);
+    REQUIRE(cache.tokens(0).size() == 3);
+    const std::vector<token_id> prefix(prompt_b.begin(), prompt_b.begin() + 3);
+    kvcache::test::require_close(attend_last(cache, 0, q), model.scratch(prefix, q),
+                                 Tolerance{2e-5, 2e-5});
+  }
+}
+
+TEST_CASE("shrink_to_fit on a tracked cache without spares changes nothing") {
+  ToyModel model;
+  TokenTrackedCache<StaticCache<float>> cache(StaticCache<float>(
+      {.num_layers = kLayers, .num_kv_heads = kHeads, .head_dim = kDim, .max_seq_len = 8}));
+  const std::vector<token_id> prompt{1, 2, 3};
+  model.prefill(cache, 0, prompt);
+  const std::size_t bytes = cache.memory_bytes();
+  cache.shrink_to_fit();
+  REQUIRE(cache.memory_bytes() == bytes);
+  REQUIRE(cache.seq_length(0) == 3);
+}

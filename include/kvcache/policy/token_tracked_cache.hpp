@@ -106,6 +106,11 @@ class TokenTrackedCache {
   [[nodiscard]] std::size_t capacity() const noexcept { return cache_.capacity(); }
   [[nodiscard]] std::size_t max_batch() const noexcept { return cache_.max_batch(); }
   [[nodiscard]] std::size_t memory_bytes() const noexcept { return cache_.memory_bytes(); }
+  /// Frees the wrapped cache's spare storage (DynamicCache's spare chunks; nothing for a
+  /// policy without spares). No token changes.
+  void shrink_to_fit() noexcept {
+    if constexpr (requires { cache_.shrink_to_fit(); }) cache_.shrink_to_fit();
+  }
   [[nodiscard]] CacheShape shape() const noexcept { return cache_.shape(); }
   [[nodiscard]] bool can_crop(std::size_t seq, std::size_t n) const {
     return cache_.can_crop(seq, n);
