@@ -14,6 +14,31 @@
 
 using namespace kvcache;
 
+namespace {
+
+/// What a view exposes: its K and V rows as floats and its positions.
+struct Gathered {
+  std::vector<float> k, v;
+  std::vector<position_t> pos;
+};
+template <KVView V>
+Gathered gathered(const V& view) {
+  Gathered g;
+  reference::gather_view(view, g.k, g.v, g.pos);
+  return g;
+}
+
+/// The K pointer of every chunk of (layer, seq).
+template <class Cache>
+std::set<const void*> chunk_pointers(const Cache& cache, std::size_t layer, std::size_t seq) {
+  std::set<const void*> out;
+  const auto view = cache.view(layer, seq);
+  for (std::size_t i = 0; i < view.num_segments(); ++i) out.insert(view.segment(i).k);
+  return out;
+}
+
+}  // namespace
+
 TEST_CASE("DynamicCache grows one chunk at a time and never moves cached tokens") {
   auto rng = kvcache::test::make_rng("dynamic-growth");
   DynamicCache<half> cache({.num_layers = 1, .num_kv_heads = 2, .head_dim = 8, .chunk_len = 4});
@@ -31,11 +56,9 @@ TEST_CASE("DynamicCache grows one chunk at a time and never moves cached tokens"
   REQUIRE(view.num_segments() == 10);
   kvcache::test::check_view_invariants(view);
   // stored rows equal the (rounded) input, chunk boundaries included
-  std::vector<float> k, v;
-  std::vector<position_t> pos;
-  reference::gather_view(view, k, v, pos);
-  REQUIRE(k == kvcache::test::rounded<half>(kv.k));
-  REQUIRE(v == kvcache::test::rounded<half>(kv.v));
+  const Gathered g = gathered(view);
+  REQUIRE(g.k == kvcache::test::rounded<half>(kv.k));
+  REQUIRE(g.v == kvcache::test::rounded<half>(kv.v));
 }
 
 TEST_CASE("DynamicCache with max_seq_len throws capacity_error and changes nothing") {
@@ -62,19 +85,6 @@ TEST_CASE("DynamicCache with max_seq_len throws capacity_error and changes nothi
   REQUIRE(DynamicCache<float>({.num_layers = 1, .num_kv_heads = 1, .head_dim = 1}).capacity() ==
           std::numeric_limits<std::size_t>::max());
 }
-
-namespace {
-
-/// The K pointer of every chunk of (layer, seq).
-template <class Cache>
-std::set<const void*> chunk_pointers(const Cache& cache, std::size_t layer, std::size_t seq) {
-  std::set<const void*> out;
-  const auto view = cache.view(layer, seq);
-  for (std::size_t i = 0; i < view.num_segments(); ++i) out.insert(view.segment(i).k);
-  return out;
-}
-
-}  // namespace
 
 TEST_CASE("DynamicCache refills a reset sequence from its spares without allocating") {
   auto rng = kvcache::test::make_rng("dynamic-spares");
@@ -103,11 +113,9 @@ TEST_CASE("DynamicCache refills a reset sequence from its spares without allocat
   REQUIRE(cache.spare_bytes() == 0);
   // the reused chunks hold the new tokens only
   for (std::size_t l = 0; l < 2; ++l) {
-    std::vector<float> k, v;
-    std::vector<position_t> pos;
-    reference::gather_view(cache.view(l, 0), k, v, pos);
-    REQUIRE(k == kvcache::test::rounded<half>(second.k));
-    REQUIRE(v == kvcache::test::rounded<half>(second.v));
+    const Gathered g = gathered(cache.view(l, 0));
+    REQUIRE(g.k == kvcache::test::rounded<half>(second.k));
+    REQUIRE(g.v == kvcache::test::rounded<half>(second.v));
   }
   auto new_chunks = chunk_pointers(cache, 0, 0);
   new_chunks.merge(chunk_pointers(cache, 1, 0));
@@ -128,12 +136,10 @@ TEST_CASE("DynamicCache spares pass from one sequence to another and never leak 
   REQUIRE(b_chunks.size() == 1);
   REQUIRE(a_chunks.contains(*b_chunks.begin()));  // a spare of sequence 0
   REQUIRE(cache.memory_bytes() == kv_cache_bytes(1, 1, 4, 12, 4));
-  std::vector<float> k, v;
-  std::vector<position_t> pos;
-  reference::gather_view(cache.view(0, 1), k, v, pos);
-  REQUIRE(k == b.k);  // 3 tokens of b, none of a's left-overs
-  REQUIRE(v == b.v);
-  REQUIRE(pos == std::vector<position_t>{0, 1, 2});
+  const Gathered g = gathered(cache.view(0, 1));
+  REQUIRE(g.k == b.k);  // 3 tokens of b, none of a's left-overs
+  REQUIRE(g.v == b.v);
+  REQUIRE(g.pos == std::vector<position_t>{0, 1, 2});
 }
 
 TEST_CASE("DynamicCache crop of rejected draft tokens and the next append allocate nothing") {
@@ -151,10 +157,7 @@ TEST_CASE("DynamicCache crop of rejected draft tokens and the next append alloca
   }
   REQUIRE(kvcache::test::g_allocations.load() == allocations);
   REQUIRE(cache.memory_bytes() == bytes);
-  std::vector<float> k, v;
-  std::vector<position_t> pos;
-  reference::gather_view(cache.view(0, 0), k, v, pos);
-  REQUIRE(k == kvcache::test::rounded<half>(kv.k));
+  REQUIRE(gathered(cache.view(0, 0)).k == kvcache::test::rounded<half>(kv.k));
 }
 
 TEST_CASE("DynamicCache keeps at most max_spare_chunks spares; shrink_to_fit frees them") {

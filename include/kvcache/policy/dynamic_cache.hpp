@@ -101,7 +101,7 @@ class DynamicCache {
         spare_.pop_back();
       }
       for (auto& c : grown) slot.chunks.push_back(std::move(c));
-      allocated_bytes_ += grown.size() * chunk_elems_ * sizeof(T);
+      allocated_bytes_ += grown.size() * chunk_bytes();
     }
     const std::size_t d = shape_.head_dim;
     const std::size_t head_elems = chunk_len_ * d;
@@ -140,9 +140,7 @@ class DynamicCache {
   /// Bytes of all chunks currently allocated: those holding tokens and the spares.
   [[nodiscard]] std::size_t memory_bytes() const noexcept { return allocated_bytes_; }
   /// Bytes of the spare chunks alone (part of memory_bytes()).
-  [[nodiscard]] std::size_t spare_bytes() const noexcept {
-    return spare_.size() * chunk_elems_ * sizeof(T);
-  }
+  [[nodiscard]] std::size_t spare_bytes() const noexcept { return spare_.size() * chunk_bytes(); }
 
   /// Frees every spare chunk; the chunks holding tokens stay. O(spares).
   void shrink_to_fit() noexcept {
@@ -210,8 +208,8 @@ class DynamicCache {
     }
     for (std::size_t i = 0; i < entries.size(); ++i) {  // commit: nothing below throws
       Slot& slot = slots_[entries[i].layer * max_batch_ + entries[i].seq];
-      allocated_bytes_ -= slot.chunks.size() * chunk_elems_ * sizeof(T);
-      allocated_bytes_ += fresh[i].size() * chunk_elems_ * sizeof(T);
+      allocated_bytes_ -= slot.chunks.size() * chunk_bytes();
+      allocated_bytes_ += fresh[i].size() * chunk_bytes();
       slot.chunks.swap(fresh[i]);
       slot.length = entries[i].held();
     }
@@ -231,6 +229,8 @@ class DynamicCache {
     return slots_[layer * max_batch_ + seq];
   }
 
+  [[nodiscard]] std::size_t chunk_bytes() const noexcept { return chunk_elems_ * sizeof(T); }
+
   /// Cuts every layer of `seq` to at most n tokens. The spare list grows first (the only step
   /// that can throw), then chunks move into it or are freed.
   void release(std::size_t seq, std::size_t n) {
@@ -240,7 +240,7 @@ class DynamicCache {
       const Slot& slot = slots_[l * max_batch_ + seq];
       emptied += slot.chunks.size() > keep ? slot.chunks.size() - keep : 0;
     }
-    const std::size_t room = max_spare_chunks_ - std::min(max_spare_chunks_, spare_.size());
+    const std::size_t room = max_spare_chunks_ - spare_.size();  // spares never exceed the bound
     spare_.reserve(spare_.size() + std::min(emptied, room));
     for (std::size_t l = 0; l < shape_.num_layers; ++l) {
       Slot& slot = slots_[l * max_batch_ + seq];
@@ -249,7 +249,7 @@ class DynamicCache {
         if (spare_.size() < max_spare_chunks_) {
           spare_.push_back(std::move(slot.chunks.back()));  // within the reserve: no throw
         } else {
-          allocated_bytes_ -= chunk_elems_ * sizeof(T);
+          allocated_bytes_ -= chunk_bytes();
         }
         slot.chunks.pop_back();
       }
