@@ -97,8 +97,7 @@ DecodeResult decode(kcuda::Layout layout, int context) {
   auto q = random_floats(static_cast<std::size_t>(kBatch) * kQHeads * kDim, 3);
   kcuda::DeviceBuffer<float> out(q.size());
   const auto view = cache.view(0);
-  const std::size_t ws_bytes =
-      kcuda::decode_workspace_bytes(kBatch, kQHeads, kKvHeads, kDim, view.max_length);
+  const std::size_t ws_bytes = kcuda::decode_workspace_bytes(view, kQHeads);
   kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
   const kvcache::TokenBlock<const float> qb{std::span<const float>(q.data(), q.size()), kBatch,
                                             kQHeads, kDim};

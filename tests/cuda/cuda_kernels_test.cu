@@ -235,56 +235,66 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
     std::size_t dim, group, kv_heads;
     AttentionOptions opts;
   };
+  // group 32 and 20: more query heads than one block serves (head chunks of 16 and 10)
   const Case cases[] = {{64, 1, 2, {}},
                         {128, 4, 2, {}},
                         {256, 2, 1, {.softcap = 30.0f}},
                         {128, 8, 1, {.scale = 0.05f}},
                         {64, 16, 1, {}},
-                        {128, 3, 2, {}}};
+                        {128, 3, 2, {}},
+                        {64, 32, 1, {}},
+                        {128, 20, 2, {}}};
+  // long: several splits (and sequences with no keys in most of them), 1 and odd lengths, a
+  // block boundary; short: one split, the output written without the merge kernel
+  const std::vector<std::size_t> long_lengths{3000, 1, 17, 513, 2049};
+  const std::vector<std::size_t> short_lengths{200, 1, 64, 17, 129};
   for (kcuda::Layout layout : kLayouts) {
     for (const Case& c : cases) {
-      const Twin t{layout, 1, c.kv_heads, c.dim, 5, 3000, 500, 4, 300};
-      kcuda::DeviceCache<TestType> dev(device_config(t));
-      CpuTwin<TestType> cpu(t);
-      // long enough for several splits; 1 and odd lengths; a block boundary
-      const std::vector<std::size_t> lengths{3000, 1, 17, 513, 2049};
-      fill(dev, cpu, t, rng, lengths);
-      AttentionOptions opts = c.opts;
-      if (layout == kcuda::Layout::ring) {
-        opts.window = t.window;
-        opts.num_sink_tokens = t.sinks;
-      }
-      const std::size_t q_heads = c.kv_heads * c.group;
-      const auto q = kvcache::test::normal_floats(rng, t.batch * q_heads * c.dim);
-      auto dq = upload(q);
-      kcuda::DeviceBuffer<float> dout(q.size());
-      kcuda::check(cudaMemset(dout.data(), 0xff, dout.bytes()), "poison");  // NaN everywhere
-      const auto view = dev.view(0);
-      dev.check_attention(0, std::vector<std::size_t>(t.batch, 1), opts);
-      const std::size_t ws_bytes = kcuda::decode_workspace_bytes(
-          static_cast<int>(t.batch), static_cast<int>(q_heads), static_cast<int>(c.kv_heads),
-          static_cast<int>(c.dim), view.max_length);
-      kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
-      kvcache::attend(
-          TokenBlock<const float>{std::span<const float>(dq.data(), q.size()), t.batch, q_heads,
-                                  c.dim},
-          view, TokenBlock<float>{std::span<float>(dout.data(), q.size()), t.batch, q_heads, c.dim},
-          opts, kcuda::DeviceAttendArgs{.workspace = ws.data(), .workspace_bytes = ws_bytes});
-      kcuda::check(cudaDeviceSynchronize(), "decode");
-      const auto got = download(dout.data(), q.size());
-      for (std::size_t s = 0; s < t.batch; ++s) {
-        std::vector<float> expect(q_heads * c.dim);
-        cpu.with_view(0, s, [&](const auto& cv) {
-          reference::attend(
-              {std::span<const float>(q).subspan(s * q_heads * c.dim, q_heads * c.dim), 1, q_heads,
-               c.dim},
-              cv, {expect, 1, q_heads, c.dim}, opts);
-        });
-        INFO("layout " << static_cast<int>(layout) << " dim " << c.dim << " group " << c.group
-                       << " seq " << s << " length " << lengths[s]);
-        kvcache::test::require_close(
-            std::span<const float>(got).subspan(s * q_heads * c.dim, q_heads * c.dim), expect,
-            decode_tolerance<TestType>());
+      for (const auto* lengths_ptr : {&long_lengths, &short_lengths}) {
+        const std::vector<std::size_t>& lengths = *lengths_ptr;
+        const Twin t{layout, 1, c.kv_heads, c.dim, 5, 3000, 500, 4, 300};
+        kcuda::DeviceCache<TestType> dev(device_config(t));
+        CpuTwin<TestType> cpu(t);
+        fill(dev, cpu, t, rng, lengths);
+        AttentionOptions opts = c.opts;
+        if (layout == kcuda::Layout::ring) {
+          opts.window = t.window;
+          opts.num_sink_tokens = t.sinks;
+        }
+        const std::size_t q_heads = c.kv_heads * c.group;
+        const auto q = kvcache::test::normal_floats(rng, t.batch * q_heads * c.dim);
+        auto dq = upload(q);
+        kcuda::DeviceBuffer<float> dout(q.size());
+        kcuda::check(cudaMemset(dout.data(), 0xff, dout.bytes()), "poison");  // NaN everywhere
+        const auto view = dev.view(0);
+        dev.check_attention(0, std::vector<std::size_t>(t.batch, 1), opts);
+        const std::size_t ws_bytes =
+            kcuda::decode_workspace_bytes(view, static_cast<int>(q_heads), opts);
+        if (lengths_ptr == &short_lengths) REQUIRE(ws_bytes == 0);  // one split
+        if (lengths_ptr == &long_lengths) REQUIRE(ws_bytes > 0);
+        kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
+        kvcache::attend(
+            TokenBlock<const float>{std::span<const float>(dq.data(), q.size()), t.batch, q_heads,
+                                    c.dim},
+            view,
+            TokenBlock<float>{std::span<float>(dout.data(), q.size()), t.batch, q_heads, c.dim},
+            opts, kcuda::DeviceAttendArgs{.workspace = ws.data(), .workspace_bytes = ws_bytes});
+        kcuda::check(cudaDeviceSynchronize(), "decode");
+        const auto got = download(dout.data(), q.size());
+        for (std::size_t s = 0; s < t.batch; ++s) {
+          std::vector<float> expect(q_heads * c.dim);
+          cpu.with_view(0, s, [&](const auto& cv) {
+            reference::attend(
+                {std::span<const float>(q).subspan(s * q_heads * c.dim, q_heads * c.dim), 1,
+                 q_heads, c.dim},
+                cv, {expect, 1, q_heads, c.dim}, opts);
+          });
+          INFO("layout " << static_cast<int>(layout) << " dim " << c.dim << " group " << c.group
+                         << " seq " << s << " length " << lengths[s]);
+          kvcache::test::require_close(
+              std::span<const float>(got).subspan(s * q_heads * c.dim, q_heads * c.dim), expect,
+              decode_tolerance<TestType>());
+        }
       }
     }
   }
@@ -386,4 +396,133 @@ TEST_CASE("CUDA launchers and DeviceCache reject bad input with the numbers", "[
       },
       "head_dim 96", "64, 128, 256");
   kcuda::check(cudaDeviceSynchronize(), "errors");
+}
+
+// The host-side pieces of the kernels' logic run here, on the CPU, also where no device is.
+
+TEST_CASE("visible_keys lists every present key a validated mask lets the queries see", "[cuda]") {
+  auto rng = kvcache::test::make_rng("cuda-visible-keys");
+  int checked = 0, evicted = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const auto length = static_cast<std::int64_t>(kvcache::test::uniform(rng, 0, 300));
+    const auto cache_sinks = static_cast<std::int64_t>(kvcache::test::uniform(rng, 0, 8));
+    kcuda::detail::KeyRange present;
+    present.length = length;
+    present.sink_end = std::min(length, cache_sinks);
+    const bool keep_all = kvcache::test::uniform(rng, 0, 2) == 0;  // else a random gap
+    present.recent_begin =
+        keep_all || length <= cache_sinks
+            ? present.sink_end
+            : present.sink_end + static_cast<std::int64_t>(kvcache::test::uniform(
+                                     rng, 0, static_cast<std::size_t>(length - present.sink_end)));
+    if (length == 0) continue;
+    const auto n =
+        static_cast<position_t>(kvcache::test::uniform(rng, 1, static_cast<std::size_t>(length)));
+    AttentionOptions opts;
+    opts.causal = kvcache::test::uniform(rng, 0, 9) != 0;
+    if (opts.causal && kvcache::test::uniform(rng, 0, 2) != 0) {
+      const std::int64_t first = length - n;
+      if (present.recent_begin > present.sink_end && first >= present.recent_begin &&
+          kvcache::test::uniform(rng, 0, 3) != 0) {
+        // a window the evicted gap allows (what a sliding-window cache is used with)
+        opts.window = kvcache::test::uniform(
+            rng, 1, static_cast<std::size_t>(first - present.recent_begin + 1));
+        opts.num_sink_tokens =
+            kvcache::test::uniform(rng, 0, static_cast<std::size_t>(present.sink_end));
+      } else {
+        opts.window = kvcache::test::uniform(rng, 1, 320);
+        opts.num_sink_tokens = kvcache::test::uniform(rng, 0, 10);
+      }
+    }
+    try {
+      kvcache::detail::check_query_positions(n, std::nullopt, length, present.sink_end,
+                                             present.recent_begin, opts);
+    } catch (const kvcache::position_error&) {
+      continue;  // the launchers' callers check first (DeviceCache::check_attention)
+    }
+    const kcuda::DeviceMask mask{opts.causal, static_cast<std::int64_t>(opts.window),
+                                 static_cast<std::int64_t>(opts.num_sink_tokens)};
+    const std::int64_t first = length - n;
+    const kcuda::detail::KeyRange list = kcuda::detail::visible_keys(present, mask, first);
+    INFO("length " << length << " present [0, " << present.sink_end << ") + ["
+                   << present.recent_begin << ", " << length << "), causal " << opts.causal
+                   << " window " << opts.window << " sinks " << opts.num_sink_tokens
+                   << ", queries from " << first << "; list [0, " << list.sink_end << ") + ["
+                   << list.recent_begin << ", " << list.length << ")");
+    auto is_present = [&](std::int64_t p) {
+      return p >= 0 && p < length && (p < present.sink_end || p >= present.recent_begin);
+    };
+    std::vector<bool> listed(static_cast<std::size_t>(length), false);
+    std::int64_t prev = -1;
+    for (std::int64_t i = 0; i < list.count(); ++i) {
+      const std::int64_t p = list.pos(i);
+      if (!is_present(p) || p <= prev) {  // increasing: kernels stop at the first key past a query
+        INFO("listed key " << p << " after " << prev);
+        REQUIRE((is_present(p) && p > prev));
+      }
+      prev = p;
+      listed[static_cast<std::size_t>(p)] = true;
+    }
+    for (std::int64_t qpos = first; qpos < length; ++qpos) {
+      for (std::int64_t p = 0; p < length; ++p) {
+        if (is_present(p) && mask.visible(qpos, p) && !listed[static_cast<std::size_t>(p)]) {
+          INFO("query " << qpos << " sees key " << p);
+          REQUIRE(listed[static_cast<std::size_t>(p)]);
+        }
+      }
+    }
+    ++checked;
+    if (present.recent_begin > present.sink_end && opts.window > 0) ++evicted;
+  }
+  INFO(checked << " checked, " << evicted << " with a window over an evicted gap");
+  REQUIRE(checked > 8000);
+  REQUIRE(evicted > 2000);
+}
+
+TEST_CASE("decode plan: head chunks and splits cover every query head and key", "[cuda]") {
+  // The benchmark's shape on an H200 (132 SMs, 3 blocks each): 256 (sequence, KV head) units.
+  // Two splits would be 512 blocks on 396 slots, a second wave 29% full; three fill 97%.
+  const auto h200 = kcuda::detail::plan_decode_grid(32, 4, 8, 4096, 132 * 3);
+  REQUIRE(h200.splits == 3);
+  REQUIRE(h200.num_chunks == 1);
+  REQUIRE(h200.chunk_group == 4);
+  // One sequence (8 units) at 32k keys: enough splits to fill 90% of the slots.
+  const auto single = kcuda::detail::plan_decode_grid(1, 4, 8, 32768, 132 * 3);
+  REQUIRE(8 * single.splits >= 0.9 * 132 * 3);
+
+  auto rng = kvcache::test::make_rng("cuda-decode-plan");
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int seqs = static_cast<int>(kvcache::test::uniform(rng, 1, 64));
+    const int group = static_cast<int>(kvcache::test::uniform(rng, 1, 64));
+    const int kv_heads = static_cast<int>(kvcache::test::uniform(rng, 1, 8));
+    const auto keys = static_cast<std::int64_t>(kvcache::test::uniform(rng, 0, 40000));
+    const auto slots = static_cast<std::int64_t>(kvcache::test::uniform(rng, 1, 1200));
+    const auto p = kcuda::detail::plan_decode_grid(seqs, group, kv_heads, keys, slots);
+    INFO("seqs " << seqs << " group " << group << " kv_heads " << kv_heads << " keys " << keys
+                 << " slots " << slots << ": chunks " << p.num_chunks << " x " << p.chunk_group
+                 << ", splits " << p.splits << " x " << p.keys_per_split);
+    REQUIRE(p.chunk_group >= 1);
+    REQUIRE(p.chunk_group <= kcuda::kMaxGroup);
+    REQUIRE(p.num_chunks * p.chunk_group >= group);       // every query head served
+    REQUIRE((p.num_chunks - 1) * p.chunk_group < group);  // no chunk without heads
+    REQUIRE(p.splits >= 1);
+    REQUIRE(p.keys_per_split % kcuda::kDecodeTile == 0);
+    REQUIRE(p.splits * p.keys_per_split >= keys);  // every key in some split
+    REQUIRE((p.splits == 1 || keys > (p.splits - 1) * kcuda::kMinKeysPerSplit));
+    // more keys never need fewer splits (so one workspace sized for the longest context serves)
+    const auto more = kvcache::test::uniform(rng, 0, 20000);
+    REQUIRE(kcuda::detail::plan_decode_grid(seqs, group, kv_heads,
+                                            keys + static_cast<std::int64_t>(more), slots)
+                .splits >= p.splits);
+  }
+}
+
+TEST_CASE("CUDA launchers reject bad shapes before touching the device", "[cuda]") {
+  using kvcache::test::require_throws;
+  require_throws<kvcache::shape_error>(
+      [] { (void)kcuda::decode_workspace_bytes<kvcache::half>(4, 6, 4, 128, 1000); },
+      "num_q_heads 6", "num_kv_heads 4");
+  require_throws<kvcache::shape_error>(
+      [] { (void)kcuda::decode_workspace_bytes<kvcache::half>(4, 8, 4, 96, 1000); }, "head_dim 96",
+      "64, 128, 256");
 }

@@ -36,31 +36,6 @@ struct DeviceAttendArgs {
 
 namespace detail {
 
-/// Calls f(std::integral_constant<int, D>{}) for a supported head_dim.
-template <class F>
-void dispatch_head_dim(int head_dim, F&& f) {
-  switch (head_dim) {
-    case 64:
-      return f(std::integral_constant<int, 64>{});
-    case 128:
-      return f(std::integral_constant<int, 128>{});
-    case 256:
-      return f(std::integral_constant<int, 256>{});
-    default:
-      throw shape_error(kvcache::detail::message("CUDA attention: head_dim ", head_dim,
-                                                 " unsupported; supported: 64, 128, 256"));
-  }
-}
-
-template <Element T, class Kernel>
-void allow_smem(Kernel kernel, std::size_t bytes) {
-  if (bytes > 48 * 1024) {
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(bytes)),
-          "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  }
-}
-
 inline DeviceMask device_mask(const AttentionOptions& opts) {
   return DeviceMask{opts.causal, static_cast<std::int64_t>(opts.window),
                     static_cast<std::int64_t>(opts.num_sink_tokens)};
@@ -68,54 +43,56 @@ inline DeviceMask device_mask(const AttentionOptions& opts) {
 
 }  // namespace detail
 
+/// Bytes of workspace launch_decode_attention needs for this view on the current device
+/// (decode_workspace_bytes for the view's shape and max_keys, the options' window applied).
+template <Element T>
+[[nodiscard]] std::size_t decode_workspace_bytes(const DeviceKVView<T>& view, int num_q_heads,
+                                                 const AttentionOptions& opts = {}) {
+  return decode_workspace_bytes<T>(view.num_seqs, num_q_heads, view.num_kv_heads, view.head_dim,
+                                   detail::decode_keys(view.max_keys, opts));
+}
+
 /// Decode attention: q and out [num_seqs][num_q_heads][head_dim] device arrays, one query token
-/// per sequence of the view (at position length - 1). Empty sequences get a zero output.
-/// @throws shape_error (head_dim not 64/128/256, group > kMaxGroup, workspace too small),
-///         cuda_error.
+/// per sequence of the view (at position length - 1). Empty sequences get a zero output. Any
+/// GQA/MQA group: each block serves up to kMaxGroup query heads of one KV head. Splits each
+/// sequence's keys over several blocks (merged by a second kernel) so that the grid fills the
+/// device's waves; workspace must hold decode_workspace_bytes(...) bytes.
+/// @throws shape_error (head_dim not 64/128/256, num_q_heads not a multiple of num_kv_heads,
+///         workspace too small), cuda_error.
 template <Element T>
 void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float* out,
                              int num_q_heads, const AttentionOptions& opts, void* workspace,
                              std::size_t workspace_bytes, cudaStream_t stream) {
-  const int group = num_q_heads / view.num_kv_heads;
-  if (group < 1 || group > kMaxGroup || group * view.num_kv_heads != num_q_heads) {
-    throw shape_error(kvcache::detail::message("CUDA decode attention: num_q_heads ", num_q_heads,
-                                               " must be a multiple (at most ", kMaxGroup,
-                                               "x) of num_kv_heads ", view.num_kv_heads));
-  }
-  const int splits = detail::decode_num_splits(view.max_length, view.num_seqs, view.num_kv_heads,
-                                               detail::device_sm_count());
-  const std::size_t need = splits == 1 ? 0
-                                       : static_cast<std::size_t>(view.num_seqs) * num_q_heads *
-                                             splits * (view.head_dim + 2) * sizeof(float);
-  if (workspace_bytes < need) {
-    throw shape_error(kvcache::detail::message("CUDA decode attention: workspace of ",
-                                               workspace_bytes, " bytes, needs ", need));
-  }
-  const std::int64_t per_split =
-      ((view.max_length + splits - 1) / splits + kDecodeTile - 1) / kDecodeTile * kDecodeTile;
-  float* partial_acc = static_cast<float*>(workspace);
-  float* partial_ml = partial_acc == nullptr
-                          ? nullptr
-                          : partial_acc + static_cast<std::size_t>(view.num_seqs) * num_q_heads *
-                                              splits * view.head_dim;
+  detail::check_heads("CUDA decode attention", num_q_heads, view.num_kv_heads);
   const float scale =
       opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(view.head_dim));
+  const std::int64_t max_keys = detail::decode_keys(view.max_keys, opts);
   detail::dispatch_head_dim(view.head_dim, [&](auto d) {
     constexpr int D = decltype(d)::value;
-    const std::size_t smem = detail::decode_smem_bytes<T>(D, group);
-    auto kernel = detail::decode_attention_kernel<T, D>;
-    detail::allow_smem<T>(kernel, smem);
-    const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(view.num_kv_heads),
+    const detail::DecodePlan plan =
+        detail::plan_decode<T, D>(view.num_seqs, num_q_heads, view.num_kv_heads, max_keys);
+    const std::size_t need = plan.workspace_bytes(view.num_seqs, num_q_heads, D);
+    if (workspace_bytes < need || (need > 0 && workspace == nullptr)) {
+      throw shape_error(kvcache::detail::message(
+          "CUDA decode attention: workspace of ", workspace_bytes, " bytes, needs ", need, " (",
+          plan.splits, " splits of ", plan.keys_per_split, " keys)"));
+    }
+    float* partial_acc = need == 0 ? nullptr : static_cast<float*>(workspace);
+    float* partial_ml = need == 0 ? nullptr
+                                  : partial_acc + static_cast<std::size_t>(view.num_seqs) *
+                                                      num_q_heads * plan.splits * D;
+    const dim3 grid(static_cast<unsigned>(plan.splits),
+                    static_cast<unsigned>(view.num_kv_heads * plan.num_chunks),
                     static_cast<unsigned>(view.num_seqs));
-    kernel<<<grid, kDecodeThreads, smem, stream>>>(view, q, out, partial_acc, partial_ml,
-                                                   num_q_heads, splits, per_split,
-                                                   detail::device_mask(opts), scale, opts.softcap);
+    detail::decode_attention_kernel<T, D><<<grid, kDecodeThreads, plan.smem_bytes, stream>>>(
+        view, q, out, partial_acc, partial_ml, num_q_heads, plan.chunk_group, plan.splits,
+        plan.keys_per_split, detail::device_mask(opts), scale, opts.softcap);
     check_launch("kvcache::cuda::decode_attention_kernel");
-    if (splits > 1) {
+    if (plan.splits > 1) {
       const dim3 merge_grid(static_cast<unsigned>(view.num_seqs),
                             static_cast<unsigned>(num_q_heads));
       detail::decode_merge_kernel<D><<<merge_grid, std::min(D, 128), 0, stream>>>(
-          partial_acc, partial_ml, out, num_q_heads, splits);
+          partial_acc, partial_ml, out, num_q_heads, plan.splits);
       check_launch("kvcache::cuda::decode_merge_kernel");
     }
   });
@@ -129,11 +106,7 @@ template <Element T>
 void launch_prefill_attention(const DeviceKVView<T>& view, const float* q, float* out,
                               int num_q_heads, const std::int32_t* q_offsets, int max_q_len,
                               const AttentionOptions& opts, cudaStream_t stream) {
-  if (num_q_heads < 1 || num_q_heads % view.num_kv_heads != 0) {
-    throw shape_error(kvcache::detail::message("CUDA prefill attention: num_q_heads ", num_q_heads,
-                                               " is not a multiple of num_kv_heads ",
-                                               view.num_kv_heads));
-  }
+  detail::check_heads("CUDA prefill attention", num_q_heads, view.num_kv_heads);
   if (std::is_same_v<T, float> && view.head_dim > 128) {
     throw shape_error(kvcache::detail::message("CUDA prefill attention: head_dim ", view.head_dim,
                                                " with float K/V unsupported; supported: 64, 128"));
@@ -148,7 +121,7 @@ void launch_prefill_attention(const DeviceKVView<T>& view, const float* q, float
     } else {
       constexpr std::size_t smem = detail::PrefillSmem<T, D>::kBytes;
       auto kernel = detail::prefill_attention_kernel<T, D>;
-      detail::allow_smem<T>(kernel, smem);
+      detail::allow_smem(kernel, smem);
       const dim3 grid(static_cast<unsigned>((max_q_len + kPrefillRows - 1) / kPrefillRows),
                       static_cast<unsigned>(num_q_heads), static_cast<unsigned>(view.num_seqs));
       kernel<<<grid, kPrefillThreads, smem, stream>>>(

@@ -260,7 +260,7 @@ class DeviceCache {
   }
 
   /// The device view of `layer` for all max_batch sequences. O(max_batch) host work (for
-  /// max_length).
+  /// max_keys).
   [[nodiscard]] DeviceKVView<T> view(std::size_t layer) const {
     check_layer(layer);
     DeviceKVView<T> v;
@@ -289,14 +289,13 @@ class DeviceCache {
     v.length = m;
     v.sink_end = m + config_.max_batch;
     v.recent_begin = m + 2 * config_.max_batch;
-    for (std::size_t s = 0; s < config_.max_batch; ++s) {
-      v.max_length = std::max(v.max_length, state(layer, s).length);
-    }
+    v.max_keys = max_view_tokens(layer);
     return v;
   }
 
-  /// Largest number of key slots any sequence's view holds in `layer` (for workspace sizing).
+  /// Largest number of keys any sequence's view holds in `layer` (DeviceKVView::max_keys).
   [[nodiscard]] std::int64_t max_view_tokens(std::size_t layer) const {
+    check_layer(layer);
     std::int64_t most = 0;
     for (std::size_t s = 0; s < config_.max_batch; ++s) {
       const auto [se, rb, len] = present(state(layer, s));

@@ -17,10 +17,15 @@
 
 namespace kvcache::cuda {
 
-inline constexpr int kDecodeThreads = 128;  ///< 4 warps per (sequence, KV head, split)
+inline constexpr int kDecodeThreads = 128;  ///< 4 warps per (sequence, KV head, head chunk, split)
 inline constexpr int kDecodeTile = 64;      ///< keys per shared-memory tile
-inline constexpr int kMaxGroup = 16;        ///< query heads per KV head the decode kernel takes
+/// Query heads one decode block serves; a KV head with more (MQA, wide GQA) is split into
+/// ceil(group / kMaxGroup) chunks of equal size, each reading the KV head's K/V once.
+inline constexpr int kMaxGroup = 16;
 inline constexpr int kMinKeysPerSplit = 256;
+/// Shared memory a Hopper block may opt into (sm_90: 227 KiB); every kernel instantiation is
+/// checked against it at compile time.
+inline constexpr std::size_t kMaxSmemBytes = 227 * 1024;
 
 namespace detail {
 
@@ -31,15 +36,24 @@ __host__ __device__ constexpr int tile_row_bytes(int head_dim) {
   return head_dim * static_cast<int>(sizeof(T)) + 16;
 }
 
-/// Shared memory of the decode kernel, in bytes: q [G][D] floats; K and V tiles, double
-/// buffered [2][kDecodeTile][row]; their positions [2][kDecodeTile]; partial scores
-/// [2][G][kDecodeTile]; per-head m, l, correction.
+/// Shared memory of the decode kernel, in bytes: q [G][D] floats; K and V tiles, one per
+/// pipeline stage [stages][kDecodeTile][row]; their positions [stages][kDecodeTile]; partial
+/// scores [2][G][kDecodeTile]; per-head m, l, correction.
 template <Element T>
-constexpr std::size_t decode_smem_bytes(int head_dim, int group) {
+__host__ __device__ constexpr std::size_t decode_smem_bytes(int head_dim, int group, int stages) {
   const std::size_t g = static_cast<std::size_t>(group);
-  return g * head_dim * sizeof(float) + 4 * kDecodeTile * tile_row_bytes<T>(head_dim) +
-         2 * kDecodeTile * sizeof(std::int64_t) + 2 * g * kDecodeTile * sizeof(float) +
+  const std::size_t n = static_cast<std::size_t>(stages);
+  return g * head_dim * sizeof(float) +
+         2 * n * kDecodeTile * static_cast<std::size_t>(tile_row_bytes<T>(head_dim)) +
+         n * kDecodeTile * sizeof(std::int64_t) + 2 * g * kDecodeTile * sizeof(float) +
          3 * g * sizeof(float);
+}
+
+/// Pipeline stages of the decode kernel: double-buffered K/V tiles (the next tile's copies in
+/// flight while this one is used) wherever they fit, else one buffer (float K/V at head_dim 256).
+template <Element T, int D>
+__host__ __device__ constexpr int decode_stages() {
+  return decode_smem_bytes<T>(D, kMaxGroup, 2) <= kMaxSmemBytes ? 2 : 1;
 }
 
 /// Converts the 16 bytes at p (8 half/bf16 or 4 floats) to floats.
@@ -105,58 +119,66 @@ __device__ __forceinline__ void load_kv_tile(const DeviceKVView<T>& view, int se
   }
 }
 
-/// One block per (split, KV head, sequence), its query token at position length - 1. Per tile:
-/// partial q.k for every (query head, key) — thread = (key, half of head_dim) so that a warp
-/// reads 32 consecutive padded rows without bank conflicts; an online-softmax update per query
-/// head (one warp per head); then p.V accumulated in registers by (query head, dim) threads.
-/// Writes the normalised output when num_splits == 1, else the unnormalised partial
-/// (acc, m, l) that decode_merge_kernel combines.
+/// One block per (split, KV head x head chunk, sequence), its query token at position
+/// length - 1; the block serves query heads [h0, h0 + ng) of the KV head. Per tile: partial q.k
+/// for every (query head, key) — thread = (key, half of head_dim) so that a warp reads 32
+/// consecutive padded rows without bank conflicts; an online-softmax update per query head (one
+/// warp per head); then p.V accumulated in registers by (query head, dim) threads. Writes the
+/// normalised output when num_splits == 1, else the unnormalised partial (acc, m, l) that
+/// decode_merge_kernel combines.
 template <Element T, int D>
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_kernel(DeviceKVView<T> view, const float* __restrict__ q,
                             float* __restrict__ out, float* __restrict__ partial_acc,
-                            float* __restrict__ partial_ml, int num_q_heads, int num_splits,
-                            std::int64_t keys_per_split, DeviceMask mask, float scale,
-                            float softcap) {
+                            float* __restrict__ partial_ml, int num_q_heads, int chunk_group,
+                            int num_splits, std::int64_t keys_per_split, DeviceMask mask,
+                            float scale, float softcap) {
   static_assert(kDecodeThreads == 2 * kDecodeTile, "thread = (key, half of head_dim)");
+  constexpr int kStages = decode_stages<T, D>();
+  static_assert(decode_smem_bytes<T>(D, kMaxGroup, kStages) <= kMaxSmemBytes);
   constexpr int kRowStride = tile_row_bytes<T>(D);
   constexpr int kPairs = kMaxGroup * (D / 2) / kDecodeThreads;  // float2 accumulators per thread
   constexpr int kElemsPer16 = 16 / static_cast<int>(sizeof(T));
-  const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+  const int split = blockIdx.x, seq = blockIdx.z;
   const int group = num_q_heads / view.num_kv_heads;
+  const int num_chunks = (group + chunk_group - 1) / chunk_group;
+  const int kv_head = blockIdx.y / num_chunks, chunk = blockIdx.y % num_chunks;
+  const int h0 = kv_head * group + chunk * chunk_group;          // first query head of the block
+  const int ng = min(chunk_group, group - chunk * chunk_group);  // query heads of the block
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
   extern __shared__ __align__(128) unsigned char smem[];
-  char* tiles = reinterpret_cast<char*>(smem);  // K0 K1 V0 V1
+  char* tiles = reinterpret_cast<char*>(smem);  // K[stages] then V[stages]
   constexpr int kTileBytes = kDecodeTile * kRowStride;
   auto k_tile_at = [&](int b) { return tiles + b * kTileBytes; };
-  auto v_tile_at = [&](int b) { return tiles + (2 + b) * kTileBytes; };
-  std::int64_t* pos_tiles = reinterpret_cast<std::int64_t*>(tiles + 4 * kDecodeTile * kRowStride);
-  float* q_s = reinterpret_cast<float*>(pos_tiles + 2 * kDecodeTile);  // [group][D]
-  float* s_s = q_s + group * D;                                        // [2][group][tile]
-  float* m_s = s_s + 2 * group * kDecodeTile;
-  float* l_s = m_s + group;
-  float* corr_s = l_s + group;
+  auto v_tile_at = [&](int b) { return tiles + (kStages + b) * kTileBytes; };
+  std::int64_t* pos_tiles =
+      reinterpret_cast<std::int64_t*>(tiles + 2 * kStages * kDecodeTile * kRowStride);
+  float* q_s = reinterpret_cast<float*>(pos_tiles + kStages * kDecodeTile);  // [ng][D]
+  float* s_s = q_s + ng * D;                                                 // [2][ng][tile]
+  float* m_s = s_s + 2 * ng * kDecodeTile;
+  float* l_s = m_s + ng;
+  float* corr_s = l_s + ng;
 
   const std::int64_t qpos = view.length[seq] - 1;
   const KeyRange keys = visible_keys(key_range(view, seq), mask, qpos);
   const std::int64_t count = keys.count();
   const std::int64_t begin = split * keys_per_split;
-  const std::int64_t end = min(count, begin + keys_per_split);
+  // the last split takes whatever is left: a view whose max_keys undercounts runs slower, not wrong
+  const std::int64_t end = split + 1 == num_splits ? count : min(count, begin + keys_per_split);
 
-  for (int i = tid; i < group * D; i += kDecodeThreads) {
+  for (int i = tid; i < ng * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
-    q_s[i] =
-        q[(static_cast<std::int64_t>(seq) * num_q_heads + kv_head * group + g) * D + d] * scale;
+    q_s[i] = q[(static_cast<std::int64_t>(seq) * num_q_heads + h0 + g) * D + d] * scale;
   }
-  for (int g = tid; g < group; g += kDecodeThreads) {
+  for (int g = tid; g < ng; g += kDecodeThreads) {
     m_s[g] = -INFINITY;
     l_s[g] = 0.0f;
   }
   float2 acc[kPairs];
 #pragma unroll
   for (int a = 0; a < kPairs; ++a) acc[a] = make_float2(0.0f, 0.0f);
-  const int num_pairs = (group * (D / 2) + kDecodeThreads - 1) / kDecodeThreads;
+  const int num_pairs = (ng * (D / 2) + kDecodeThreads - 1) / kDecodeThreads;
 
   if (begin < end) {
     load_kv_tile<T, D>(view, seq, kv_head, keys, begin, end, k_tile_at(0), v_tile_at(0), pos_tiles,
@@ -164,16 +186,20 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   __pipeline_commit();
   int buf = 0;
-  for (std::int64_t i0 = begin; i0 < end; i0 += kDecodeTile, buf ^= 1) {
+  for (std::int64_t i0 = begin; i0 < end; i0 += kDecodeTile) {
     const std::int64_t next = i0 + kDecodeTile;
-    if (next < end) {
-      load_kv_tile<T, D>(view, seq, kv_head, keys, next, end, k_tile_at(buf ^ 1),
-                         v_tile_at(buf ^ 1), pos_tiles + (buf ^ 1) * kDecodeTile, tid,
-                         kDecodeThreads, kDecodeTile);
+    if constexpr (kStages == 2) {
+      if (next < end) {
+        load_kv_tile<T, D>(view, seq, kv_head, keys, next, end, k_tile_at(buf ^ 1),
+                           v_tile_at(buf ^ 1), pos_tiles + (buf ^ 1) * kDecodeTile, tid,
+                           kDecodeThreads, kDecodeTile);
+      }
+      __pipeline_commit();
+      __pipeline_wait_prior(1);  // this thread's copies of the current tile have landed
+    } else {
+      __pipeline_wait_prior(0);
     }
-    __pipeline_commit();
-    __pipeline_wait_prior(1);  // this thread's copies of the current tile have landed
-    __syncthreads();           // ... and everybody's
+    __syncthreads();  // ... and everybody's
     const char* k_tile = k_tile_at(buf);
     const char* v_tile = v_tile_at(buf);
     const std::int64_t* pos_tile = pos_tiles + buf * kDecodeTile;
@@ -182,7 +208,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       const int key = tid % kDecodeTile, part = tid / kDecodeTile;
       const T* krow = reinterpret_cast<const T*>(k_tile + key * kRowStride) + part * (D / 2);
       const float* qrow = q_s + part * (D / 2);
-      for (int g0 = 0; g0 < group; g0 += 4) {
+      for (int g0 = 0; g0 < ng; g0 += 4) {
         float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
         for (int d = 0; d < D / 2; d += kElemsPer16) {
@@ -190,7 +216,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
           load16(krow + d, kd);
 #pragma unroll
           for (int g = 0; g < 4; ++g) {
-            if (g0 + g < group) {
+            if (g0 + g < ng) {
               const float4* qv = reinterpret_cast<const float4*>(qrow + (g0 + g) * D + d);
 #pragma unroll
               for (int e = 0; e < kElemsPer16 / 4; ++e) {
@@ -203,14 +229,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
         }
 #pragma unroll
         for (int g = 0; g < 4; ++g) {
-          if (g0 + g < group) s_s[(part * group + g0 + g) * kDecodeTile + key] = dot[g];
+          if (g0 + g < ng) s_s[(part * ng + g0 + g) * kDecodeTile + key] = dot[g];
         }
       }
     }
     __syncthreads();
-    for (int g = warp; g < group; g += kDecodeThreads / 32) {  // online softmax, warp per head
+    for (int g = warp; g < ng; g += kDecodeThreads / 32) {  // online softmax, warp per head
       float* s = s_s + g * kDecodeTile;
-      const float* s_other = s_s + (group + g) * kDecodeTile;
+      const float* s_other = s_s + (ng + g) * kDecodeTile;
       float sc[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -242,7 +268,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
     for (int a = 0; a < kPairs; ++a) {
       const int o = a * kDecodeThreads + tid;
-      if (a < num_pairs && o < group * (D / 2)) {
+      if (a < num_pairs && o < ng * (D / 2)) {
         const int g = o / (D / 2), d = 2 * (o % (D / 2));
         const float4* p4 = reinterpret_cast<const float4*>(s_s + g * kDecodeTile);
         const char* vcol = v_tile + d * static_cast<int>(sizeof(T));
@@ -264,17 +290,26 @@ __global__ void __launch_bounds__(kDecodeThreads)
         acc[a].y = acc[a].y * c + sum.y;
       }
     }
-    __syncthreads();  // before the next iteration's copies overwrite the other buffer
+    __syncthreads();  // everybody is done with this tile before its buffer is refilled
+    if constexpr (kStages == 2) {
+      buf ^= 1;
+    } else {
+      if (next < end) {
+        load_kv_tile<T, D>(view, seq, kv_head, keys, next, end, k_tile_at(0), v_tile_at(0),
+                           pos_tiles, tid, kDecodeThreads, kDecodeTile);
+      }
+      __pipeline_commit();
+    }
   }
   __pipeline_wait_prior(0);
+  __syncthreads();  // m_s, l_s written by other threads (also when this split has no keys)
 
 #pragma unroll
   for (int a = 0; a < kPairs; ++a) {
     const int o = a * kDecodeThreads + tid;
-    if (a < num_pairs && o < group * (D / 2)) {
+    if (a < num_pairs && o < ng * (D / 2)) {
       const int g = o / (D / 2), d = 2 * (o % (D / 2));
-      const std::int64_t head_row =
-          static_cast<std::int64_t>(seq) * num_q_heads + kv_head * group + g;
+      const std::int64_t head_row = static_cast<std::int64_t>(seq) * num_q_heads + h0 + g;
       if (num_splits == 1) {
         const float l = l_s[g];
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -317,13 +352,68 @@ __global__ void decode_merge_kernel(const float* __restrict__ partial_acc,
   }
 }
 
-/// Splits for a batch: enough blocks to fill the device twice over, each split >= 256 keys.
-inline int decode_num_splits(std::int64_t max_keys, int num_seqs, int num_kv_heads, int num_sms) {
-  const std::int64_t blocks = static_cast<std::int64_t>(num_seqs) * num_kv_heads;
-  const std::int64_t want = (2 * num_sms + blocks - 1) / std::max<std::int64_t>(blocks, 1);
+/// How one decode launch covers a batch: grid (splits, num_kv_heads x num_chunks, num_seqs).
+struct DecodePlan {
+  int chunk_group = 1;              ///< query heads per block
+  int num_chunks = 1;               ///< blocks per KV head (ceil(group / kMaxGroup))
+  int splits = 1;                   ///< blocks along each sequence's keys
+  std::int64_t keys_per_split = 0;  ///< a multiple of kDecodeTile; splits x it >= max_keys
+  std::size_t smem_bytes = 0;       ///< dynamic shared memory per block
+
+  /// Partials of every split (0 for one split: the kernel writes the output directly).
+  [[nodiscard]] std::size_t workspace_bytes(int num_seqs, int num_q_heads, int head_dim) const {
+    if (splits == 1) return 0;
+    return static_cast<std::size_t>(num_seqs) * static_cast<std::size_t>(num_q_heads) *
+           static_cast<std::size_t>(splits) * static_cast<std::size_t>(head_dim + 2) *
+           sizeof(float);
+  }
+};
+
+/// Splits per sequence for `units` blocks per split when `slots` blocks run at once: the fewest
+/// (each split >= kMinKeysPerSplit keys of max_keys) whose blocks fill their waves to >= 90%,
+/// else the count with the fullest waves. A partly filled last wave leaves multiprocessors idle
+/// and, with them, memory bandwidth (512 blocks on 396 slots run at ~65% of the device).
+/// Non-decreasing in max_keys. O(max_keys / kMinKeysPerSplit).
+inline int choose_splits(std::int64_t max_keys, std::int64_t units, std::int64_t slots) {
+  units = std::max<std::int64_t>(units, 1);
+  slots = std::max<std::int64_t>(slots, 1);
   const std::int64_t most =
       std::max<std::int64_t>(1, (max_keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
-  return static_cast<int>(std::clamp<std::int64_t>(want, 1, most));
+  std::int64_t best = 1;
+  double best_fill = 0.0;
+  for (std::int64_t s = 1; s <= most; ++s) {
+    const std::int64_t blocks = units * s;
+    const std::int64_t waves = (blocks + slots - 1) / slots;
+    const double fill = static_cast<double>(blocks) / static_cast<double>(waves * slots);
+    if (fill >= 0.9) return static_cast<int>(s);
+    if (fill > best_fill) {
+      best = s;
+      best_fill = fill;
+    }
+  }
+  return static_cast<int>(best);
+}
+
+/// Query heads per decode block: a group split into ceil(group / kMaxGroup) equal chunks.
+inline int decode_chunk_group(int group) {
+  const int chunks = (group + kMaxGroup - 1) / kMaxGroup;
+  return (group + chunks - 1) / chunks;
+}
+
+/// The device-independent part of a plan: head chunks, splits and keys per split, for
+/// `slots` resident blocks (multiprocessors x blocks per multiprocessor).
+inline DecodePlan plan_decode_grid(int num_seqs, int group, int num_kv_heads, std::int64_t max_keys,
+                                   std::int64_t slots) {
+  DecodePlan p;
+  p.num_chunks = (group + kMaxGroup - 1) / kMaxGroup;
+  p.chunk_group = decode_chunk_group(group);
+  const std::int64_t units =
+      static_cast<std::int64_t>(num_seqs) * num_kv_heads * static_cast<std::int64_t>(p.num_chunks);
+  p.splits = choose_splits(max_keys, units, slots);
+  const std::int64_t per = (max_keys + p.splits - 1) / p.splits;
+  p.keys_per_split =
+      std::max<std::int64_t>(kDecodeTile, (per + kDecodeTile - 1) / kDecodeTile * kDecodeTile);
+  return p;
 }
 
 [[nodiscard]] inline int device_sm_count() {
@@ -334,17 +424,59 @@ inline int decode_num_splits(std::int64_t max_keys, int num_seqs, int num_kv_hea
   return sms;
 }
 
+/// Lets `kernel` use `bytes` of dynamic shared memory (beyond the default 48 KiB).
+template <class Kernel>
+void allow_smem(Kernel kernel, std::size_t bytes) {
+  if (bytes > 48 * 1024) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(bytes)),
+          "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  }
+}
+
+/// Keys a decode query may visit: a sliding window bounds them by window + sinks.
+inline std::int64_t decode_keys(std::int64_t max_keys, const AttentionOptions& opts) {
+  if (!opts.causal || opts.window == 0) return max_keys;
+  return std::min<std::int64_t>(max_keys,
+                                static_cast<std::int64_t>(opts.window + opts.num_sink_tokens));
+}
+
+/// The plan for the current device: shared memory of decode_attention_kernel<T, D> (raised
+/// above 48 KiB where needed) and its occupancy size the waves. @throws cuda_error.
+template <Element T, int D>
+DecodePlan plan_decode(int num_seqs, int num_q_heads, int num_kv_heads, std::int64_t max_keys) {
+  const int group = num_q_heads / num_kv_heads;
+  const std::size_t smem =
+      decode_smem_bytes<T>(D, decode_chunk_group(group), decode_stages<T, D>());
+  auto kernel = decode_attention_kernel<T, D>;
+  allow_smem(kernel, smem);
+  int per_sm = 0;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDecodeThreads, smem),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const std::int64_t slots = static_cast<std::int64_t>(device_sm_count()) * std::max(per_sm, 1);
+  DecodePlan p = plan_decode_grid(num_seqs, group, num_kv_heads, max_keys, slots);
+  p.smem_bytes = smem;
+  return p;
+}
+
 }  // namespace detail
 
-/// Bytes of workspace launch_decode_attention may need for a batch whose longest view holds
-/// `max_keys` tokens (partials of every split). Query it, allocate once, reuse.
-[[nodiscard]] inline std::size_t decode_workspace_bytes(int num_seqs, int num_q_heads,
-                                                        int num_kv_heads, int head_dim,
-                                                        std::int64_t max_keys) {
-  const int splits =
-      detail::decode_num_splits(max_keys, num_seqs, num_kv_heads, detail::device_sm_count());
-  if (splits == 1) return 0;
-  return static_cast<std::size_t>(num_seqs) * num_q_heads * splits * (head_dim + 2) * sizeof(float);
+/// Bytes of workspace launch_decode_attention needs on the current device for a batch of
+/// num_seqs sequences whose views hold at most `max_keys` keys (DeviceKVView::max_keys): the
+/// partials of every split, 0 when one split suffices. Non-decreasing in max_keys: query it once
+/// for the longest context served, allocate, and reuse the buffer for every launch.
+/// @throws shape_error (as launch_decode_attention), cuda_error.
+template <Element T>
+[[nodiscard]] std::size_t decode_workspace_bytes(int num_seqs, int num_q_heads, int num_kv_heads,
+                                                 int head_dim, std::int64_t max_keys) {
+  detail::check_heads("CUDA decode attention", num_q_heads, num_kv_heads);
+  std::size_t bytes = 0;
+  detail::dispatch_head_dim(head_dim, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    bytes = detail::plan_decode<T, D>(num_seqs, num_q_heads, num_kv_heads, max_keys)
+                .workspace_bytes(num_seqs, num_q_heads, D);
+  });
+  return bytes;
 }
 
 }  // namespace kvcache::cuda

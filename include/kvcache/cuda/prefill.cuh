@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
   using Op = typename Traits::operand;
   using L = PrefillSmem<T, D>;
   constexpr int kK = Traits::kK;
+  static_assert(L::kBytes <= kMaxSmemBytes);
   const int tile = blockIdx.x, q_head = blockIdx.y, seq = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int group = num_q_heads / view.num_kv_heads;

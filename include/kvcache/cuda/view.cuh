@@ -43,8 +43,9 @@ struct DeviceKVView {
   const std::int64_t* length = nullptr;        ///< [num_seqs]: positions appended
   const std::int64_t* sink_end = nullptr;      ///< [num_seqs] or null (= 0)
   const std::int64_t* recent_begin = nullptr;  ///< [num_seqs] or null (= 0)
-  /// Host-side: the largest length over the batch (sizes grids and splits; not read by kernels).
-  std::int64_t max_length = 0;
+  /// Host-side: the most keys any sequence's view holds, sink_end + length - recent_begin (sizes
+  /// grids, splits and workspace; not read by kernels: an undercount costs speed, not results).
+  std::int64_t max_keys = 0;
 
   /// Element offset of the head_dim-long row of (seq, head, pos) from k (or v).
   __device__ __forceinline__ std::int64_t row_offset(int seq, int head, std::int64_t pos) const {
@@ -64,7 +65,7 @@ struct DeviceMask {
   bool causal = true;
   std::int64_t window = 0;  ///< 0 = unlimited
   std::int64_t sinks = 0;
-  __device__ __forceinline__ bool visible(std::int64_t qpos, std::int64_t pos) const {
+  __host__ __device__ __forceinline__ bool visible(std::int64_t qpos, std::int64_t pos) const {
     return !causal || (pos <= qpos && (window == 0 || pos > qpos - window || pos < sinks));
   }
 };
@@ -104,10 +105,10 @@ struct KeyRange {
   std::int64_t sink_end = 0;
   std::int64_t recent_begin = 0;
   std::int64_t length = 0;
-  __device__ __forceinline__ std::int64_t count() const {
+  __host__ __device__ __forceinline__ std::int64_t count() const {
     return sink_end + (length - recent_begin);
   }
-  __device__ __forceinline__ std::int64_t pos(std::int64_t i) const {
+  __host__ __device__ __forceinline__ std::int64_t pos(std::int64_t i) const {
     return i < sink_end ? i : recent_begin + (i - sink_end);
   }
 };
