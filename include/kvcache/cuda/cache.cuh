@@ -154,6 +154,10 @@ class DeviceCache {
         break;
       case Layout::paged:
         detail_require(c.max_seq_len, "max_seq_len");
+        if (c.max_seq_len > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+          throw shape_error(kvcache::detail::message("DeviceCache: paged max_seq_len ",
+                                                     c.max_seq_len, " exceeds 2^31 - 1"));
+        }
         detail_require(c.block_size, "block_size");
         detail_require(c.num_blocks, "num_blocks");
         max_blocks_ = (c.max_seq_len + c.block_size - 1) / c.block_size;

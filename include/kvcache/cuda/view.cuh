@@ -47,15 +47,26 @@ struct DeviceKVView {
   /// grids, splits and workspace; not read by kernels: an undercount costs speed, not results).
   std::int64_t max_keys = 0;
 
-  /// Element offset of the head_dim-long row of (seq, head, pos) from k (or v).
+  /// Element offset of the head_dim-long row of (seq, head, pos) from k (or v). Paged views
+  /// hold positions below 2^31 (DeviceCache checks max_seq_len), so the block index takes a
+  /// 32-bit division; so does the ring slot until 2^32 tokens have passed through the ring.
   __device__ __forceinline__ std::int64_t row_offset(int seq, int head, std::int64_t pos) const {
     if (layout == Layout::paged) {
-      const std::int32_t block =
-          block_table[static_cast<std::int64_t>(seq) * max_blocks + pos / block_size];
-      return block * block_stride + head * head_stride + (pos % block_size) * head_dim;
+      const auto p = static_cast<std::uint32_t>(pos);
+      const auto bs = static_cast<std::uint32_t>(block_size);
+      const std::uint32_t index = p / bs;
+      const std::int32_t block = block_table[static_cast<std::int64_t>(seq) * max_blocks + index];
+      return block * block_stride + head * head_stride +
+             static_cast<std::int64_t>(p - index * bs) * head_dim;
     }
     std::int64_t slot = pos;
-    if (layout == Layout::ring && pos >= num_sinks) slot = num_sinks + (pos - num_sinks) % ring_len;
+    if (layout == Layout::ring && pos >= num_sinks) {
+      const std::int64_t r = pos - num_sinks;
+      slot = num_sinks + (r <= 0xffffffffLL
+                              ? static_cast<std::int64_t>(static_cast<std::uint32_t>(r) %
+                                                          static_cast<std::uint32_t>(ring_len))
+                              : r % ring_len);
+    }
     return seq * seq_stride + head * head_stride + slot * head_dim;
   }
 };
