@@ -15,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
+tests_rc=0  # a test failure still lets the benchmark run; the script's status reports it
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 if [ "${1:-}" = "--prebuilt" ]; then
@@ -23,7 +24,7 @@ if [ "${1:-}" = "--prebuilt" ]; then
   bench_bin="$bin/cuda_attention_bench"
   export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # the staged CUDA runtime
   echo "=== [$((SECONDS - start))s] CUDA tests (prebuilt $test_bin)"
-  "$test_bin"
+  "$test_bin" || tests_rc=$?
 else
   build="${1:-build/cuda}"
   prefix_path="${CMAKE_PREFIX_PATH:-}"
@@ -35,9 +36,10 @@ else
     -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_CHECK_HEADERS=OFF -DCMAKE_PREFIX_PATH="$prefix_path"
   cmake --build "$build" --target test.cuda.cuda_kernels_test cuda_attention_bench
   echo "=== [$((SECONDS - start))s] CUDA tests"
-  ctest --test-dir "$build" -L cuda --output-on-failure
+  ctest --test-dir "$build" -L cuda --output-on-failure || tests_rc=$?
   bench_bin="$build/bench/cuda_attention_bench"
 fi
 echo "=== [$((SECONDS - start))s] CUDA benchmark"
 "$bench_bin"
-echo "=== [$((SECONDS - start))s] gpu-check done"
+echo "=== [$((SECONDS - start))s] gpu-check done (CUDA tests: $([ "$tests_rc" = 0 ] && echo passed || echo "FAILED, status $tests_rc"))"
+exit "$tests_rc"
