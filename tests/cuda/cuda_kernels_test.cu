@@ -187,6 +187,50 @@ Tolerance prefill_tolerance() {
 
 }  // namespace
 
+// Compares every stored K/V element of `dev` with the CPU twin's; returns how many differ and
+// describes the first.
+template <Element T>
+std::size_t count_mismatches(const kcuda::DeviceCache<T>& dev, const CpuTwin<T>& cpu, const Twin& t,
+                             std::string& first_mismatch) {
+  std::size_t mismatches = 0;
+  for (std::size_t l = 0; l < t.layers; ++l) {
+    const auto view = dev.view(l);
+    std::vector<std::int32_t> table;
+    if (t.layout == kcuda::Layout::paged) {
+      table = download(view.block_table, t.batch * static_cast<std::size_t>(view.max_blocks));
+    }
+    for (std::size_t s = 0; s < t.batch; ++s) {
+      cpu.with_view(l, s, [&](const auto& cv) {
+        std::vector<float> ck, cvv;
+        std::vector<position_t> pos;
+        reference::gather_view(cv, ck, cvv, pos);
+        for (std::size_t i = 0; i < pos.size(); ++i) {
+          for (std::size_t h = 0; h < t.heads; ++h) {
+            const std::int64_t off =
+                host_row_offset(view, table, static_cast<int>(s), static_cast<int>(h), pos[i]);
+            const auto krow = download(view.k + off, t.dim);
+            const auto vrow = download(view.v + off, t.dim);
+            for (std::size_t d = 0; d < t.dim; ++d) {
+              const std::size_t at = (i * t.heads + h) * t.dim + d;
+              if (kvcache::to_float(krow[d]) == ck[at] && kvcache::to_float(vrow[d]) == cvv[at])
+                continue;
+              if (mismatches++ == 0) {
+                first_mismatch =
+                    "layer " + std::to_string(l) + " seq " + std::to_string(s) + " pos " +
+                    std::to_string(pos[i]) + " head " + std::to_string(h) + " dim " +
+                    std::to_string(d) + ": K " + std::to_string(kvcache::to_float(krow[d])) +
+                    " vs " + std::to_string(ck[at]) + ", V " +
+                    std::to_string(kvcache::to_float(vrow[d])) + " vs " + std::to_string(cvv[at]);
+              }
+            }
+          }
+        }
+      });
+    }
+  }
+  return mismatches;
+}
+
 TEMPLATE_TEST_CASE("CUDA append stores exactly what the CPU cache stores", "[cuda]", float,
                    kvcache::half, bfloat16) {
   if (!have_device()) return;
@@ -197,46 +241,30 @@ TEMPLATE_TEST_CASE("CUDA append stores exactly what the CPU cache stores", "[cud
     CpuTwin<TestType> cpu(t);
     const std::vector<std::size_t> lengths{100, 1, 37, 64};  // ring wraps; paged crosses blocks
     fill(dev, cpu, t, rng, lengths);
-    std::size_t mismatches = 0;
     std::string first_mismatch;
-    for (std::size_t l = 0; l < t.layers; ++l) {
-      const auto view = dev.view(l);
-      std::vector<std::int32_t> table;
-      if (layout == kcuda::Layout::paged) {
-        table = download(view.block_table, t.batch * static_cast<std::size_t>(view.max_blocks));
-      }
-      for (std::size_t s = 0; s < t.batch; ++s) {
-        cpu.with_view(l, s, [&](const auto& cv) {
-          std::vector<float> ck, cvv;
-          std::vector<position_t> pos;
-          reference::gather_view(cv, ck, cvv, pos);
-          for (std::size_t i = 0; i < pos.size(); ++i) {
-            for (std::size_t h = 0; h < t.heads; ++h) {
-              const std::int64_t off =
-                  host_row_offset(view, table, static_cast<int>(s), static_cast<int>(h), pos[i]);
-              const auto krow = download(view.k + off, t.dim);
-              const auto vrow = download(view.v + off, t.dim);
-              for (std::size_t d = 0; d < t.dim; ++d) {
-                const std::size_t at = (i * t.heads + h) * t.dim + d;
-                if (kvcache::to_float(krow[d]) == ck[at] && kvcache::to_float(vrow[d]) == cvv[at])
-                  continue;
-                if (mismatches++ == 0) {
-                  first_mismatch =
-                      "layer " + std::to_string(l) + " seq " + std::to_string(s) + " pos " +
-                      std::to_string(pos[i]) + " head " + std::to_string(h) + " dim " +
-                      std::to_string(d) + ": K " + std::to_string(kvcache::to_float(krow[d])) +
-                      " vs " + std::to_string(ck[at]) + ", V " +
-                      std::to_string(kvcache::to_float(vrow[d])) + " vs " + std::to_string(cvv[at]);
-                }
-              }
-            }
-          }
-        });
-      }
-    }
+    const std::size_t mismatches = count_mismatches(dev, cpu, t, first_mismatch);
     INFO("layout " << static_cast<int>(layout) << ": " << mismatches
                    << " elements differ; first: " << first_mismatch);
     CHECK(mismatches == 0);  // CHECK: the other layouts are still compared and reported
+  }
+}
+
+TEST_CASE("CUDA append of a batch wider than one launch stores every sequence", "[cuda]") {
+  if (!have_device()) return;
+  auto rng = kvcache::test::make_rng("cuda-append-wide");
+  const std::size_t batch = kcuda::kMaxSeqsPerLaunch + 88;  // two append launches per round
+  for (kcuda::Layout layout : kLayouts) {
+    const Twin t{layout, 1, 2, 64, batch, 40, 8, 2, 5};
+    kcuda::DeviceCache<kvcache::half> dev(device_config(t));
+    CpuTwin<kvcache::half> cpu(t);
+    std::vector<std::size_t> lengths(batch);
+    for (auto& n : lengths) n = kvcache::test::uniform(rng, 1, 40);
+    fill(dev, cpu, t, rng, lengths);
+    std::string first_mismatch;
+    const std::size_t mismatches = count_mismatches(dev, cpu, t, first_mismatch);
+    INFO("layout " << static_cast<int>(layout) << ": " << mismatches
+                   << " elements differ; first: " << first_mismatch);
+    CHECK(mismatches == 0);
   }
 }
 

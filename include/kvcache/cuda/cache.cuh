@@ -40,9 +40,11 @@ struct DeviceCacheConfig {
   std::size_t num_blocks = 0;
 };
 
-/// Most sequences one append launch covers (its metadata travels as kernel parameters); larger
-/// batches are split into several launches.
-inline constexpr int kMaxSeqsPerLaunch = 64;
+/// Most sequences one append launch covers (its metadata travels as kernel parameters, which
+/// CUDA 12.1+ allows up to 32 764 bytes on Volta and later); larger batches take several launches.
+inline constexpr int kMaxSeqsPerLaunch = 512;
+/// Bytes of kernel parameters a launch may pass (CUDA 12.1+, sm_70+), less room for the others.
+inline constexpr std::size_t kMaxParamBatchBytes = 32764 - 512;
 
 namespace detail {
 
@@ -58,7 +60,7 @@ struct MetaEntry {
   std::int32_t layer, seq;
   std::int64_t length, sink_end, recent_begin;
 };
-inline constexpr int kMaxMetaPerLaunch = 64;
+inline constexpr int kMaxMetaPerLaunch = 512;
 struct MetaBatch {
   int count = 0;
   MetaEntry entry[kMaxMetaPerLaunch];
@@ -67,19 +69,30 @@ struct MetaBatch {
 struct BlockEntry {
   std::int32_t seq, index, block;
 };
-inline constexpr int kMaxBlocksPerLaunch = 256;
+inline constexpr int kMaxBlocksPerLaunch = 1024;  // also the threads of its one block
 struct BlockBatch {
   int count = 0;
   BlockEntry entry[kMaxBlocksPerLaunch];
 };
+
+static_assert(sizeof(AppendBatch) <= kMaxParamBatchBytes);
+static_assert(sizeof(MetaBatch) <= kMaxParamBatchBytes);
+static_assert(sizeof(BlockBatch) <= kMaxParamBatchBytes);
 
 /// Grid (tokens of the batch, KV heads): converts and writes one K row and one V row.
 template <Element T, class U>
 __global__ void append_kernel(DeviceKVView<T> view, T* k_out, T* v_out, const U* __restrict__ k,
                               const U* __restrict__ v, AppendBatch batch) {
   const int token = blockIdx.x, head = blockIdx.y;
-  int entry = 0;
-  while (token >= batch.token_begin[entry + 1]) ++entry;
+  int entry = 0, hi = batch.num_seqs - 1;  // the last entry whose tokens begin at or before token
+  while (entry < hi) {
+    const int mid = (entry + hi + 1) / 2;
+    if (batch.token_begin[mid] <= token) {
+      entry = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
   const int seq = batch.seq[entry];
   const std::int64_t pos = batch.first_pos[entry] + (token - batch.token_begin[entry]);
   const std::int64_t dst = view.row_offset(seq, head, pos);
