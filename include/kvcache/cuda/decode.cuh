@@ -20,7 +20,7 @@ namespace kvcache::cuda {
 inline constexpr int kDecodeThreads = 128;  ///< 4 warps per (sequence, KV head, head chunk, split)
 inline constexpr int kDecodeTile = 64;      ///< keys per shared-memory tile
 /// Query heads one decode block serves; a KV head with more (MQA, wide GQA) is split into
-/// ceil(group / kMaxGroup) chunks of equal size, each reading the KV head's K/V once.
+/// ceil(group / kMaxGroup) equal chunks, one block each (its K/V are read once per chunk).
 inline constexpr int kMaxGroup = 16;
 inline constexpr int kMinKeysPerSplit = 256;
 /// Shared memory a Hopper block may opt into (sm_90: 227 KiB); every kernel instantiation is
