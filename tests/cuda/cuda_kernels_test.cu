@@ -231,21 +231,27 @@ std::size_t count_mismatches(const kcuda::DeviceCache<T>& dev, const CpuTwin<T>&
   return mismatches;
 }
 
+// Fills a DeviceCache and its CPU twin with the same tokens and CHECKs (so that the other
+// layouts are still compared and reported) that every stored element matches.
+template <Element T>
+void check_append(const Twin& t, const std::vector<std::size_t>& lengths, std::mt19937_64& rng) {
+  kcuda::DeviceCache<T> dev(device_config(t));
+  CpuTwin<T> cpu(t);
+  fill(dev, cpu, t, rng, lengths);
+  std::string first_mismatch;
+  const std::size_t mismatches = count_mismatches(dev, cpu, t, first_mismatch);
+  INFO("layout " << static_cast<int>(t.layout) << ": " << mismatches
+                 << " elements differ; first: " << first_mismatch);
+  CHECK(mismatches == 0);
+}
+
 TEMPLATE_TEST_CASE("CUDA append stores exactly what the CPU cache stores", "[cuda]", float,
                    kvcache::half, bfloat16) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-append");
   for (kcuda::Layout layout : kLayouts) {
-    const Twin t{layout, 2, 3, 64, 4, 100, 40, 3, 17};
-    kcuda::DeviceCache<TestType> dev(device_config(t));
-    CpuTwin<TestType> cpu(t);
-    const std::vector<std::size_t> lengths{100, 1, 37, 64};  // ring wraps; paged crosses blocks
-    fill(dev, cpu, t, rng, lengths);
-    std::string first_mismatch;
-    const std::size_t mismatches = count_mismatches(dev, cpu, t, first_mismatch);
-    INFO("layout " << static_cast<int>(layout) << ": " << mismatches
-                   << " elements differ; first: " << first_mismatch);
-    CHECK(mismatches == 0);  // CHECK: the other layouts are still compared and reported
+    // ring wraps; paged crosses blocks
+    check_append<TestType>({layout, 2, 3, 64, 4, 100, 40, 3, 17}, {100, 1, 37, 64}, rng);
   }
 }
 
@@ -254,17 +260,9 @@ TEST_CASE("CUDA append of a batch wider than one launch stores every sequence", 
   auto rng = kvcache::test::make_rng("cuda-append-wide");
   const std::size_t batch = kcuda::kMaxSeqsPerLaunch + 88;  // two append launches per round
   for (kcuda::Layout layout : kLayouts) {
-    const Twin t{layout, 1, 2, 64, batch, 40, 8, 2, 5};
-    kcuda::DeviceCache<kvcache::half> dev(device_config(t));
-    CpuTwin<kvcache::half> cpu(t);
     std::vector<std::size_t> lengths(batch);
     for (auto& n : lengths) n = kvcache::test::uniform(rng, 1, 40);
-    fill(dev, cpu, t, rng, lengths);
-    std::string first_mismatch;
-    const std::size_t mismatches = count_mismatches(dev, cpu, t, first_mismatch);
-    INFO("layout " << static_cast<int>(layout) << ": " << mismatches
-                   << " elements differ; first: " << first_mismatch);
-    CHECK(mismatches == 0);
+    check_append<kvcache::half>({layout, 1, 2, 64, batch, 40, 8, 2, 5}, lengths, rng);
   }
 }
 

@@ -405,8 +405,8 @@ inline int decode_chunk_group(int group) {
 inline DecodePlan plan_decode_grid(int num_seqs, int group, int num_kv_heads, std::int64_t max_keys,
                                    std::int64_t slots) {
   DecodePlan p;
-  p.num_chunks = (group + kMaxGroup - 1) / kMaxGroup;
   p.chunk_group = decode_chunk_group(group);
+  p.num_chunks = (group + p.chunk_group - 1) / p.chunk_group;  // as decode_attention_kernel does
   const std::int64_t units =
       static_cast<std::int64_t>(num_seqs) * num_kv_heads * static_cast<std::int64_t>(p.num_chunks);
   p.splits = choose_splits(max_keys, units, slots);
