@@ -10,8 +10,8 @@
 #
 # Building needs nvcc, cmake >= 3.25, ninja, a C++20 host compiler and Catch2 (v2 or v3) that
 # find_package finds; without a network, scripts/gpu-stage.sh on another machine copies its
-# Catch2 into .gpu/deps, which this script adds to CMAKE_PREFIX_PATH. CUDA_ARCH overrides the
-# architecture (default 90, Hopper).
+# Catch2 into .gpu/deps, which this script adds to CMAKE_PREFIX_PATH (see scripts/cuda-build.sh;
+# CUDA_ARCH overrides the architecture, default 90, Hopper).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -29,12 +29,7 @@ else
   build="${1:-build/cuda}"
   prefix_path="${CMAKE_PREFIX_PATH:-}"
   [ -d .gpu/deps ] && prefix_path="$PWD/.gpu/deps${prefix_path:+;$prefix_path}"
-  export PATH="/usr/local/cuda/bin:$PATH"
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DKVCACHE_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" \
-    -DKVCACHE_FETCH_DEPENDENCIES=OFF -DKVCACHE_BUILD_TESTS=ON -DKVCACHE_BUILD_BENCH=ON \
-    -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_CHECK_HEADERS=OFF -DCMAKE_PREFIX_PATH="$prefix_path"
-  cmake --build "$build" --target test.cuda.cuda_kernels_test cuda_attention_bench
+  bash scripts/cuda-build.sh "$build" -DCMAKE_PREFIX_PATH="$prefix_path"
   echo "=== [$((SECONDS - start))s] CUDA tests"
   ctest --test-dir "$build" -L cuda --output-on-failure || tests_rc=$?
   bench_bin="$build/bench/cuda_attention_bench"

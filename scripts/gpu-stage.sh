@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # Stages a GPU check for a machine with a GPU but without the test dependencies or a network (a
 # lent, bare GPU machine): builds the CUDA test and benchmark here into .gpu/bin (libstdc++ and
-# libgcc linked statically, the CUDA runtime copied beside them), and this machine's Catch2 into .gpu/deps
-# so that gpu-check.sh can also build from source there. Needs nvcc, cmake, ninja and Catch2 here.
+# libgcc linked statically, the CUDA runtime copied beside them), and copies this machine's Catch2
+# into .gpu/deps so that gpu-check.sh can also build from source there. Needs nvcc, cmake, ninja
+# and Catch2 here.
 #
 #   scripts/gpu-stage.sh                        (here; writes .gpu/, which git ignores)
 #   scripts/gpu-check.sh --prebuilt .gpu/bin    (there: runs the staged binaries)
@@ -11,14 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build/gpu-stage
-export PATH="/usr/local/cuda/bin:$PATH"
 
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DKVCACHE_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" \
-  -DKVCACHE_FETCH_DEPENDENCIES=OFF -DKVCACHE_BUILD_TESTS=ON -DKVCACHE_BUILD_BENCH=ON \
-  -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_CHECK_HEADERS=OFF \
-  -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc"
-cmake --build "$build" --target test.cuda.cuda_kernels_test cuda_attention_bench
+bash scripts/cuda-build.sh "$build" -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc"
 
 rm -rf .gpu
 mkdir -p .gpu/bin .gpu/deps/include .gpu/deps/lib/cmake
