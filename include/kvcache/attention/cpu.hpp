@@ -73,10 +73,11 @@ struct PortableOps {
       }
     }
   }
-  static float exp_sum(float* x, std::size_t n) noexcept {
+  static float max(const float* x, std::size_t n) noexcept { return *std::max_element(x, x + n); }
+  static float exp_sum(float* x, std::size_t n, float shift) noexcept {
     float total = 0.0f;
     for (std::size_t i = 0; i < n; ++i) {
-      x[i] = std::exp(x[i]);  // exp(-inf) == 0
+      x[i] = std::exp(x[i] - shift);  // exp(-inf) == 0
       total += x[i];
     }
     return total;
@@ -278,7 +279,7 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
             }
           }
         }
-        const float tile_max = *std::max_element(sr, sr + nk);
+        const float tile_max = Ops::max(sr, nk);
         if (tile_max == neg_inf) {
           std::fill(sr, sr + nk, 0.0f);
           continue;
@@ -291,8 +292,7 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
           Ops::scale(acc + (r0 + r) * d, d, correction);
         }
         m = m_new;
-        for (std::size_t j = 0; j < nk; ++j) sr[j] -= m_new;
-        row_sum[r0 + r] += Ops::exp_sum(sr, nk);
+        row_sum[r0 + r] += Ops::exp_sum(sr, nk, m_new);
       }
       for (std::size_t i = 0, at = 0; i < num_runs; at += runs[i++].n) {
         Ops::pv(s + at, kTile, sub, runs[i].v, runs[i].n, d, acc + r0 * d);

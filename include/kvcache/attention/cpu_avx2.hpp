@@ -230,12 +230,24 @@ struct Avx2Ops {
         return pv_rows<T, 4>(p, stride, v, nk, d, acc);
     }
   }
-  /// x[i] = exp(x[i]) for x[i] <= 0 (-inf gives 0); returns the sum of the results.
-  KVCACHE_TARGET_AVX2 static float exp_sum(float* x, std::size_t n) noexcept {
+  /// The largest of x[0..n), n >= 1.
+  KVCACHE_TARGET_AVX2 static float max(const float* x, std::size_t n) noexcept {
+    __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    for (; i < n; ++i) best = x[i] > best ? x[i] : best;
+    return best;
+  }
+  /// x[i] = exp(x[i] - shift) for x[i] <= shift (-inf gives 0); returns the sum of the results.
+  KVCACHE_TARGET_AVX2 static float exp_sum(float* x, std::size_t n, float shift) noexcept {
+    const __m256 sv = _mm256_set1_ps(shift);
     __m256 sum = _mm256_setzero_ps();
     std::size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-      const __m256 e = exp8_nonpositive(_mm256_loadu_ps(x + i));
+      const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), sv));
       _mm256_storeu_ps(x + i, e);
       sum = _mm256_add_ps(sum, e);
     }
@@ -244,7 +256,7 @@ struct Avx2Ops {
       for (std::size_t t = 0; t < 8; ++t) {
         tail[t] = i + t < n ? x[i + t] : -std::numeric_limits<float>::infinity();
       }
-      const __m256 e = exp8_nonpositive(_mm256_load_ps(tail));
+      const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_load_ps(tail), sv));
       _mm256_store_ps(tail, e);
       for (std::size_t t = 0; i + t < n; ++t) x[i + t] = tail[t];
       sum = _mm256_add_ps(sum, e);
