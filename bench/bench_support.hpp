@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Shared by the benchmarks: a reporter that prints, after the usual table, ratios between runs
-// measured in the same process (e.g. attention bandwidth / memory-read bandwidth), and a
-// memory-read baseline.
+// measured in the same process (e.g. attention bandwidth / memory-read bandwidth).
 #pragma once
 
 #include <benchmark/benchmark.h>
