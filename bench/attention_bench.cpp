@@ -87,7 +87,12 @@ class ReadBaseline {
   }
 
  private:
-  std::vector<float> buffer_ = std::vector<float>(kWorkingSetBytes / sizeof(float), 1.0f);
+  // An AlignedBuffer like the caches' storage, so both sides read the same kind of pages.
+  kvcache::AlignedBuffer<float> buffer_ = [] {
+    kvcache::AlignedBuffer<float> b(kWorkingSetBytes / sizeof(float));
+    std::fill(b.data(), b.data() + b.size(), 1.0f);
+    return b;
+  }();
   std::size_t next_ = 0;
   float sums_[64] = {};
 };
