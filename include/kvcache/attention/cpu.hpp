@@ -64,7 +64,7 @@ struct PortableOps {
     }
   }
   static void pv(const float* p, std::size_t stride, std::size_t rows, const T* v, std::size_t nk,
-                 std::size_t d, float* acc) noexcept {
+                 std::size_t d, float* acc, Prefetch /*ahead: left to the hardware*/) noexcept {
     for (std::size_t j = 0; j < nk; ++j) {
       for (std::size_t r = 0; r < rows; ++r) {
         const float pr = p[r * stride + j];
@@ -295,7 +295,8 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
         row_sum[r0 + r] += Ops::exp_sum(sr, nk, m_new);
       }
       for (std::size_t i = 0, at = 0; i < num_runs; at += runs[i++].n) {
-        Ops::pv(s + at, kTile, sub, runs[i].v, runs[i].n, d, acc + r0 * d);
+        Ops::pv(s + at, kTile, sub, runs[i].v, runs[i].n, d, acc + r0 * d,
+                r0 == 0 ? fetch[i] : Prefetch{});
       }
     }
   }
