@@ -46,30 +46,32 @@ namespace detail {
 /// Plain C++ micro-kernels (any head_dim, any CPU).
 template <Element T>
 struct PortableOps {
-  static void qk(const float* q, std::size_t rows, const T* k, std::size_t nk, std::size_t d,
-                 float* s, std::size_t stride, Prefetch /*ahead: left to the hardware*/) noexcept {
+  // Prefetching (ahead, num_ahead) is left to the hardware.
+  static void qk(const float* q, std::size_t rows, const T* const* k, std::size_t nk, std::size_t d,
+                 float* s, std::size_t stride, const Prefetch* /*ahead*/,
+                 std::size_t /*num_ahead*/) noexcept {
     for (std::size_t r = 0; r < rows; ++r) {
       for (std::size_t j = 0; j < nk; ++j) {
         float lanes[8] = {};
         std::size_t x = 0;
         for (; x + 8 <= d; x += 8) {
-          for (std::size_t l = 0; l < 8; ++l)
-            lanes[l] += q[r * d + x + l] * to_float(k[j * d + x + l]);
+          for (std::size_t l = 0; l < 8; ++l) lanes[l] += q[r * d + x + l] * to_float(k[j][x + l]);
         }
         float acc = 0.0f;
-        for (; x < d; ++x) acc += q[r * d + x] * to_float(k[j * d + x]);
+        for (; x < d; ++x) acc += q[r * d + x] * to_float(k[j][x]);
         for (float l : lanes) acc += l;
         s[r * stride + j] = acc;
       }
     }
   }
-  static void pv(const float* p, std::size_t stride, std::size_t rows, const T* v, std::size_t nk,
-                 std::size_t d, float* acc, Prefetch /*ahead: left to the hardware*/) noexcept {
+  static void pv(const float* p, std::size_t stride, std::size_t rows, const T* const* v,
+                 std::size_t nk, std::size_t d, float* acc, const Prefetch* /*ahead*/,
+                 std::size_t /*num_ahead*/) noexcept {
     for (std::size_t j = 0; j < nk; ++j) {
       for (std::size_t r = 0; r < rows; ++r) {
         const float pr = p[r * stride + j];
         if (pr == 0.0f) continue;
-        for (std::size_t x = 0; x < d; ++x) acc[r * d + x] += pr * to_float(v[j * d + x]);
+        for (std::size_t x = 0; x < d; ++x) acc[r * d + x] += pr * to_float(v[j][x]);
       }
     }
   }
@@ -231,6 +233,8 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
   ahead.skip(kPrefetchTiles * kTile);
   KeyRun<T> runs[kTile];
   Prefetch fetch[kTile];
+  const T* krows[kTile];  // the tile's K and V rows, wherever their segments put them
+  const T* vrows[kTile];
   while (!keys.done()) {
     // One tile: up to kTile keys, in several runs where segments are shorter than a tile.
     std::size_t num_runs = 0, nk = 0;
@@ -242,6 +246,10 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
         ahead.skip(run.n - a.n);  // keep the lead where segment boundaries do not line up
         fetch[num_runs] = {reinterpret_cast<const char*>(a.k), reinterpret_cast<const char*>(a.v),
                            a.n * d * sizeof(T)};
+      }
+      for (std::size_t j = 0; j < run.n; ++j) {
+        krows[nk + j] = run.k + j * d;
+        vrows[nk + j] = run.v + j * d;
       }
       runs[num_runs++] = run;
       nk += run.n;
@@ -258,10 +266,9 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
         any = any || cover[r] != TileCover::none;
       }
       if (!any) continue;
-      for (std::size_t i = 0, at = 0; i < num_runs; at += runs[i++].n) {
-        Ops::qk(qs + r0 * d, sub, runs[i].k, runs[i].n, d, s + at, kTile,
-                r0 == 0 ? fetch[i] : Prefetch{});
-      }
+      // The first row block fetches the rows ahead; later ones find them already coming.
+      const std::size_t num_fetch = r0 == 0 ? num_runs : 0;
+      Ops::qk(qs + r0 * d, sub, krows, nk, d, s, kTile, fetch, num_fetch);
       for (std::size_t r = 0; r < sub; ++r) {
         float* sr = s + r * kTile;
         if (cover[r] == TileCover::none) {
@@ -294,10 +301,7 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
         m = m_new;
         row_sum[r0 + r] += Ops::exp_sum(sr, nk, m_new);
       }
-      for (std::size_t i = 0, at = 0; i < num_runs; at += runs[i++].n) {
-        Ops::pv(s + at, kTile, sub, runs[i].v, runs[i].n, d, acc + r0 * d,
-                r0 == 0 ? fetch[i] : Prefetch{});
-      }
+      Ops::pv(s, kTile, sub, vrows, nk, d, acc + r0 * d, fetch, num_fetch);
     }
   }
   for (std::size_t r = 0; r < num_rows; ++r) {

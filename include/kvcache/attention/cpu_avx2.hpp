@@ -18,6 +18,50 @@ struct Prefetch {
   std::size_t bytes = 0;
 };
 
+/// The 64-byte lines of the K (or V) side of a list of Prefetch ranges, handed out in order.
+/// Small and inline, so that a micro-kernel keeps its cursor in registers.
+class FetchLines {
+ public:
+  FetchLines(const Prefetch* ranges, std::size_t n, bool v_side) noexcept
+      : ranges_(ranges), left_(n), v_side_(v_side) {
+    refill();
+  }
+  /// How many lines there are in all.
+  [[nodiscard]] std::size_t total() const noexcept {
+    std::size_t lines = (bytes_ + 63) / 64;
+    for (std::size_t i = 0; i < left_; ++i) lines += (ranges_[i].bytes + 63) / 64;
+    return lines;
+  }
+  [[nodiscard]] bool done() const noexcept { return bytes_ == 0; }
+  /// The next line. @pre !done().
+  [[nodiscard]] const char* next() noexcept {
+    const char* line = cur_;
+    if (bytes_ > 64) {
+      cur_ += 64;
+      bytes_ -= 64;
+    } else {
+      bytes_ = 0;
+      refill();
+    }
+    return line;
+  }
+
+ private:
+  // Moves to the next non-empty range, if any.
+  void refill() noexcept {
+    for (; bytes_ == 0 && left_ != 0; ++ranges_, --left_) {
+      cur_ = v_side_ ? ranges_->v : ranges_->k;
+      bytes_ = ranges_->bytes;
+    }
+  }
+
+  const Prefetch* ranges_;
+  std::size_t left_;  // ranges after the current one
+  bool v_side_;
+  const char* cur_ = nullptr;
+  std::size_t bytes_ = 0;  // left in the current range, from cur_
+};
+
 }  // namespace kvcache::cpu::detail
 
 #if KVCACHE_X86_DISPATCH
@@ -89,10 +133,10 @@ KVCACHE_TARGET_AVX2 inline __m128 hsum4x8(const __m256* a) noexcept {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/// s[r * stride + a] = q_r . k_a for R query rows (each head_dim floats, rows d apart) and J
-/// consecutive key rows: R x J accumulators, each q load shared by the J keys.
+/// s[r * stride + a] = q_r . k[a] for R query rows (each head_dim floats, rows d apart) and J
+/// key rows: R x J accumulators, each q load shared by the J keys.
 template <Element T, int R, int J>
-KVCACHE_TARGET_AVX2 inline void qk_block(const float* q, const T* k, std::size_t d, float* s,
+KVCACHE_TARGET_AVX2 inline void qk_block(const float* q, const T* const* k, std::size_t d, float* s,
                                          std::size_t stride) noexcept {
   __m256 acc[J][R];
 #pragma GCC unroll 3
@@ -103,7 +147,7 @@ KVCACHE_TARGET_AVX2 inline void qk_block(const float* q, const T* k, std::size_t
   for (std::size_t x = 0; x < d; x += 8) {
     __m256 kx[J];
 #pragma GCC unroll 3
-    for (int a = 0; a < J; ++a) kx[a] = load8(k + a * d + x);
+    for (int a = 0; a < J; ++a) kx[a] = load8(k[a] + x);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m256 qv = _mm256_loadu_ps(q + r * d + x);
@@ -129,45 +173,44 @@ KVCACHE_TARGET_AVX2 inline void qk_block(const float* q, const T* k, std::size_t
   }
 }
 
-/// s[r * stride + j] = q_r . k_j for R query rows (each head_dim floats, rows d apart) and nk
-/// key rows (each head_dim elements, consecutive), three keys at a time: 12 accumulators for 4
-/// rows leave the FMA chains slack that 8 do not (Zen 4, L2-resident half tile: ~10% faster
-/// than two keys at a time). The `ahead.k` bytes are prefetched in even slices over the key
-/// loop (pv_rows fetches `ahead.v`), into L2 (prefetcht1), not L1: a lead of several tiles of K and
-/// V does not fit in L1 beside the working rows, and L1 prefetches tie up its few miss buffers (Zen
-/// 4, half K/V, 16k-token decode on one thread: 8.4 GB/s with prefetcht0 two tiles ahead, 13 GB/s
-/// with prefetcht1 four tiles ahead).
+/// s[r * stride + j] = q_r . k[j] for R query rows (each head_dim floats, rows d apart) and nk
+/// key rows (each head_dim elements, anywhere: a tile may span several segments, such as paged
+/// blocks, and costs the same as one), three keys at a time: 12 accumulators for 4 rows leave
+/// the FMA chains slack that 8 do not (Zen 4, L2-resident half tile: ~10% faster than two keys
+/// at a time). The K side of `ahead` is prefetched in even slices over the key loop (pv_rows
+/// fetches the V side), into L2 (prefetcht1), not L1: a lead of several tiles of K and V does not
+/// fit in L1 beside the working rows, and L1 prefetches tie up its few miss buffers (Zen 4, half
+/// K/V, 16k-token decode on one thread: 8.4 GB/s with prefetcht0 two tiles ahead, 13 GB/s with
+/// prefetcht1 four tiles ahead).
 template <Element T, int R>
-KVCACHE_TARGET_AVX2 void qk_rows(const float* q, const T* k, std::size_t nk, std::size_t d,
-                                 float* s, std::size_t stride, Prefetch ahead) noexcept {
-  constexpr std::size_t kKeys = 3;
-  const std::size_t blocks = nk / kKeys;
-  const std::size_t lines_per_block = blocks == 0 ? 0 : (ahead.bytes / 64 + blocks) / blocks;
-  std::size_t prefetched = 0;
+KVCACHE_TARGET_AVX2 void qk_rows(const float* q, const T* const* k, std::size_t nk, std::size_t d,
+                                 float* s, std::size_t stride, FetchLines ahead) noexcept {
+  // Triples, then pairs: a remainder of one key (its 4 accumulators leave the FMA chains idle)
+  // only when nk is 1.
+  std::size_t blocks = nk / 3;
+  if (nk % 3 == 1 && blocks > 0) --blocks;
+  const std::size_t lines_per_block = blocks == 0 ? 0 : (ahead.total() + blocks) / blocks;
   std::size_t j = 0;
-  for (; j + kKeys <= nk; j += kKeys) {
-    for (std::size_t l = 0; l < lines_per_block && prefetched < ahead.bytes;
-         ++l, prefetched += 64) {
-      _mm_prefetch(ahead.k + prefetched, _MM_HINT_T1);
+  for (std::size_t b = 0; b < blocks; ++b, j += 3) {
+    for (std::size_t l = 0; l < lines_per_block && !ahead.done(); ++l) {
+      _mm_prefetch(ahead.next(), _MM_HINT_T1);
     }
-    qk_block<T, R, kKeys>(q, k + j * d, d, s + j, stride);
+    qk_block<T, R, 3>(q, k + j, d, s + j, stride);
   }
-  for (; prefetched < ahead.bytes; prefetched += 64) {  // tiles too short for the even slices
-    _mm_prefetch(ahead.k + prefetched, _MM_HINT_T1);
-  }
-  if (nk - j == 2) qk_block<T, R, 2>(q, k + j * d, d, s + j, stride);
-  if (nk - j == 1) qk_block<T, R, 1>(q, k + j * d, d, s + j, stride);
+  while (!ahead.done()) _mm_prefetch(ahead.next(), _MM_HINT_T1);  // tiles too short to spread
+  for (; j + 2 <= nk; j += 2) qk_block<T, R, 2>(q, k + j, d, s + j, stride);
+  if (j < nk) qk_block<T, R, 1>(q, k + j, d, s + j, stride);
 }
 
-/// acc_r += sum_j p[r * stride + j] * v_j for R rows, nk value rows, 16 (then 8) columns at a
-/// time so that the accumulators stay in registers across the whole tile. The `ahead.v` bytes
-/// are prefetched into L2 one line per value row visited, as qk_rows spreads `ahead.k`: issued in
-/// bursts, a tile's worth of prefetches stalls on the miss buffers (float K/V, 16k tokens, one
-/// thread: 8.4 -> 20 GB/s with V prefetched here rather than beside K in qk_rows).
+/// acc_r += sum_j p[r * stride + j] * v[j] for R rows and nk value rows (anywhere, as in
+/// qk_rows), 16 (then 8) columns at a time so that the accumulators stay in registers across the
+/// whole tile. The V side of `ahead` is prefetched into L2 one line per value row visited: issued
+/// in bursts beside K in qk_rows, a tile's worth of prefetches stalls on the miss buffers (float
+/// K/V, 16k tokens, one thread: 8.4 GB/s that way, ~20 GB/s spread over this loop).
 template <Element T, int R>
-KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* v, std::size_t nk,
-                                 std::size_t d, float* acc, Prefetch ahead) noexcept {
-  std::size_t prefetched = 0;
+KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* const* v,
+                                 std::size_t nk, std::size_t d, float* acc,
+                                 FetchLines ahead) noexcept {
   std::size_t x = 0;
   for (; x + 16 <= d; x += 16) {
     __m256 a0[R], a1[R];
@@ -177,12 +220,9 @@ KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* v,
       a1[r] = _mm256_loadu_ps(acc + r * d + x + 8);
     }
     for (std::size_t j = 0; j < nk; ++j) {
-      if (prefetched < ahead.bytes) {
-        _mm_prefetch(ahead.v + prefetched, _MM_HINT_T1);
-        prefetched += 64;
-      }
-      const __m256 v0 = load8(v + j * d + x);
-      const __m256 v1 = load8(v + j * d + x + 8);
+      if (!ahead.done()) _mm_prefetch(ahead.next(), _MM_HINT_T1);
+      const __m256 v0 = load8(v[j] + x);
+      const __m256 v1 = load8(v[j] + x + 8);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m256 pr = _mm256_broadcast_ss(p + r * stride + j);
@@ -201,7 +241,7 @@ KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* v,
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) a0[r] = _mm256_loadu_ps(acc + r * d + x);
     for (std::size_t j = 0; j < nk; ++j) {
-      const __m256 v0 = load8(v + j * d + x);
+      const __m256 v0 = load8(v[j] + x);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * stride + j), v0, a0[r]);
@@ -210,40 +250,40 @@ KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* v,
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + x, a0[r]);
   }
-  for (; prefetched < ahead.bytes; prefetched += 64) {  // more lines than value rows visited
-    _mm_prefetch(ahead.v + prefetched, _MM_HINT_T1);
-  }
+  while (!ahead.done()) _mm_prefetch(ahead.next(), _MM_HINT_T1);  // more lines than rows visited
 }
 
 /// The AVX2 operation set of the tile loop (see cpu.hpp). @pre head_dim % 8 == 0.
 template <Element T>
 struct Avx2Ops {
-  KVCACHE_TARGET_AVX2 static void qk(const float* q, std::size_t rows, const T* k, std::size_t nk,
-                                     std::size_t d, float* s, std::size_t stride,
-                                     Prefetch ahead) noexcept {
+  KVCACHE_TARGET_AVX2 static void qk(const float* q, std::size_t rows, const T* const* k,
+                                     std::size_t nk, std::size_t d, float* s, std::size_t stride,
+                                     const Prefetch* ahead, std::size_t num_ahead) noexcept {
+    const FetchLines lines(ahead, num_ahead, false);
     switch (rows) {
       case 1:
-        return qk_rows<T, 1>(q, k, nk, d, s, stride, ahead);
+        return qk_rows<T, 1>(q, k, nk, d, s, stride, lines);
       case 2:
-        return qk_rows<T, 2>(q, k, nk, d, s, stride, ahead);
+        return qk_rows<T, 2>(q, k, nk, d, s, stride, lines);
       case 3:
-        return qk_rows<T, 3>(q, k, nk, d, s, stride, ahead);
+        return qk_rows<T, 3>(q, k, nk, d, s, stride, lines);
       default:
-        return qk_rows<T, 4>(q, k, nk, d, s, stride, ahead);
+        return qk_rows<T, 4>(q, k, nk, d, s, stride, lines);
     }
   }
   KVCACHE_TARGET_AVX2 static void pv(const float* p, std::size_t stride, std::size_t rows,
-                                     const T* v, std::size_t nk, std::size_t d, float* acc,
-                                     Prefetch ahead) noexcept {
+                                     const T* const* v, std::size_t nk, std::size_t d, float* acc,
+                                     const Prefetch* ahead, std::size_t num_ahead) noexcept {
+    const FetchLines lines(ahead, num_ahead, true);
     switch (rows) {
       case 1:
-        return pv_rows<T, 1>(p, stride, v, nk, d, acc, ahead);
+        return pv_rows<T, 1>(p, stride, v, nk, d, acc, lines);
       case 2:
-        return pv_rows<T, 2>(p, stride, v, nk, d, acc, ahead);
+        return pv_rows<T, 2>(p, stride, v, nk, d, acc, lines);
       case 3:
-        return pv_rows<T, 3>(p, stride, v, nk, d, acc, ahead);
+        return pv_rows<T, 3>(p, stride, v, nk, d, acc, lines);
       default:
-        return pv_rows<T, 4>(p, stride, v, nk, d, acc, ahead);
+        return pv_rows<T, 4>(p, stride, v, nk, d, acc, lines);
     }
   }
   /// The largest of x[0..n), n >= 1.
