@@ -90,7 +90,7 @@ KVCACHE_TARGET_AVX2 inline __m256 load8(const T* p) noexcept {
 }
 
 /// The sum of the 8 lanes, associated as ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)):
-/// exactly as hsum8x8, so a dot product rounds the same whichever path computes it and a query's
+/// exactly as hsum4x8, so a dot product rounds the same whichever path computes it and a query's
 /// result does not depend on the other queries of the call.
 KVCACHE_TARGET_AVX2 inline float hsum(__m256 v) noexcept {
   const __m256 pairs = _mm256_hadd_ps(v, v);          // v0+v1, v2+v3, .. | v4+v5, v6+v7, ..
@@ -117,14 +117,6 @@ KVCACHE_TARGET_AVX2 inline __m256 exp8_nonpositive(__m256 x) noexcept {
   const __m256i pow2n =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)), keep);
-}
-
-/// Lane i of the result = sum of the 8 lanes of a[i].
-KVCACHE_TARGET_AVX2 inline __m256 hsum8x8(const __m256* a) noexcept {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 /// Lane r of the result = sum of the 8 lanes of a[r], r < 4, associated as hsum does.
