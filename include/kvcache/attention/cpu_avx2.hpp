@@ -18,6 +18,19 @@ struct Prefetch {
   std::size_t bytes = 0;
 };
 
+}  // namespace kvcache::cpu::detail
+
+#if KVCACHE_X86_DISPATCH
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <limits>
+
+#define KVCACHE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace kvcache::cpu::detail {
+
 /// The 64-byte lines of the K (or V) side of a list of Prefetch ranges, handed out in order.
 /// Small and inline, so that a micro-kernel keeps its cursor in registers.
 class FetchLines {
@@ -61,19 +74,6 @@ class FetchLines {
   const char* cur_ = nullptr;
   std::size_t bytes_ = 0;  // left in the current range, from cur_
 };
-
-}  // namespace kvcache::cpu::detail
-
-#if KVCACHE_X86_DISPATCH
-
-#include <immintrin.h>
-
-#include <cstddef>
-#include <limits>
-
-#define KVCACHE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-namespace kvcache::cpu::detail {
 
 /// Loads 8 consecutive elements as 8 floats.
 template <Element T>
