@@ -99,9 +99,9 @@ class DeviceBuffer {
  private:
   void check_range(std::size_t offset, std::size_t count, const char* what) const {
     if (offset > size_ || count > size_ - offset) {
-      throw shape_error(detail::message("DeviceBuffer::", what, " of ", count,
-                                        " elements at offset ", offset, " exceeds its size ",
-                                        size_));
+      throw shape_error(kvcache::detail::message("DeviceBuffer::", what, " of ", count,
+                                                 " elements at offset ", offset,
+                                                 " exceeds its size ", size_));
     }
   }
   void release() noexcept {
