@@ -5,6 +5,7 @@
 // test skips with a message when no CUDA device is present.
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -97,23 +98,25 @@ kcuda::DeviceCacheConfig device_config(const Twin& t) {
 // the same logical tokens as a contiguous one).
 template <Element T>
 struct CpuTwin {
-  std::optional<StaticCache<T>> flat;
-  std::optional<SlidingWindowCache<T>> ring;
+  // unique_ptr rather than optional: g++ 12 at -O1 warns (maybe-uninitialized) about the latter
+  std::unique_ptr<StaticCache<T>> flat;
+  std::unique_ptr<SlidingWindowCache<T>> ring;
   explicit CpuTwin(const Twin& t) {
     if (t.layout == kcuda::Layout::ring) {
-      ring.emplace(SlidingWindowCacheConfig{.num_layers = t.layers,
-                                            .num_kv_heads = t.heads,
-                                            .head_dim = t.dim,
-                                            .max_batch = t.batch,
-                                            .window = t.window,
-                                            .num_sink_tokens = t.sinks,
-                                            .max_append_len = t.max_append});
+      ring = std::make_unique<SlidingWindowCache<T>>(
+          SlidingWindowCacheConfig{.num_layers = t.layers,
+                                   .num_kv_heads = t.heads,
+                                   .head_dim = t.dim,
+                                   .max_batch = t.batch,
+                                   .window = t.window,
+                                   .num_sink_tokens = t.sinks,
+                                   .max_append_len = t.max_append});
     } else {
-      flat.emplace(StaticCacheConfig{.num_layers = t.layers,
-                                     .num_kv_heads = t.heads,
-                                     .head_dim = t.dim,
-                                     .max_batch = t.batch,
-                                     .max_seq_len = t.capacity});
+      flat = std::make_unique<StaticCache<T>>(StaticCacheConfig{.num_layers = t.layers,
+                                                                .num_kv_heads = t.heads,
+                                                                .head_dim = t.dim,
+                                                                .max_batch = t.batch,
+                                                                .max_seq_len = t.capacity});
     }
   }
   void append(std::size_t l, std::size_t s, const kvcache::test::TokenKV& kv, std::size_t first,
