@@ -94,28 +94,50 @@ __device__ __forceinline__ float2 load_pair(const T* p) {
   }
 }
 
-/// Loads logical keys [i0, i0 + kDecodeTile) of (seq, kv_head) into one K and one V tile with
-/// 16-byte cp.async copies; rows at or past `end` are zero-filled (so that p * V stays finite)
-/// and get position -1.
-template <Element T, int D>
+/// Loads logical keys [i0, i0 + kRows) of (seq, kv_head) into one K and one V tile with 16-byte
+/// cp.async copies, kThreads threads; rows at or past `end` are zero-filled (so that p * V stays
+/// finite) and get position -1. Each warp loads kRows / warps consecutive rows: lane l first finds
+/// the position and element offset of the warp's row l (one block-table lookup and division per
+/// row, not per 16-byte chunk), then the warp copies 32 / chunks-per-row rows at a time, each
+/// lane reading its row's offset from the lane that found it.
+template <Element T, int D, int kThreads, int kRows>
 __device__ __forceinline__ void load_kv_tile(const DeviceKVView<T>& view, int seq, int kv_head,
                                              const KeyRange& keys, std::int64_t i0,
                                              std::int64_t end, char* k_tile, char* v_tile,
-                                             std::int64_t* pos_tile, int tid, int num_threads,
-                                             int tile_rows) {
-  constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;
+                                             std::int64_t* pos_tile, int tid) {
+  constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks per row
   constexpr int kStride = tile_row_bytes<T>(D);
-  for (int c = tid; c < tile_rows * kChunks; c += num_threads) {
-    const int row = c / kChunks, chunk = c % kChunks;
-    const std::int64_t i = i0 + row;
-    const bool valid = i < end;
-    const std::int64_t pos = valid ? keys.pos(i) : 0;
-    const std::int64_t off = valid ? view.row_offset(seq, kv_head, pos) : 0;
-    const char* ks = reinterpret_cast<const char*>(view.k + off) + chunk * 16;
-    const char* vs = reinterpret_cast<const char*>(view.v + off) + chunk * 16;
-    __pipeline_memcpy_async(k_tile + row * kStride + chunk * 16, ks, 16, valid ? 0 : 16);
-    __pipeline_memcpy_async(v_tile + row * kStride + chunk * 16, vs, 16, valid ? 0 : 16);
-    if (chunk == 0) pos_tile[row] = valid ? pos : -1;
+  constexpr int kWarpRows = kRows / (kThreads / 32);
+  constexpr int kStepRows = kChunks >= 32 ? 1 : 32 / kChunks;  // rows per warp-wide copy
+  static_assert(kThreads % 32 == 0 && kRows % (kThreads / 32) == 0 && kWarpRows <= 32);
+  static_assert(kWarpRows % kStepRows == 0 &&
+                (kChunks >= 32 ? kChunks % 32 == 0 : 32 % kChunks == 0));
+  const int lane = tid % 32, row0 = tid / 32 * kWarpRows;
+  std::int64_t my_off = 0;
+  int my_valid = 0;
+  if (lane < kWarpRows) {
+    const std::int64_t i = i0 + row0 + lane;
+    my_valid = i < end;
+    const std::int64_t pos = my_valid ? keys.pos(i) : -1;
+    if (my_valid) my_off = view.row_offset(seq, kv_head, pos);
+    pos_tile[row0 + lane] = pos;
+  }
+  const int sub = kChunks >= 32 ? 0 : lane / kChunks;  // this lane's row within a step
+  const int chunk0 = kChunks >= 32 ? lane : lane % kChunks;
+#pragma unroll
+  for (int r = 0; r < kWarpRows; r += kStepRows) {
+    const std::int64_t off = __shfl_sync(kFullMask, my_off, r + sub);
+    const int valid = __shfl_sync(kFullMask, my_valid, r + sub);
+    const int row = row0 + r + sub;
+    const char* ks = reinterpret_cast<const char*>(view.k + off);
+    const char* vs = reinterpret_cast<const char*>(view.v + off);
+#pragma unroll
+    for (int chunk = chunk0; chunk < kChunks; chunk += 32) {
+      __pipeline_memcpy_async(k_tile + row * kStride + chunk * 16, ks + chunk * 16, 16,
+                              valid ? 0 : 16);
+      __pipeline_memcpy_async(v_tile + row * kStride + chunk * 16, vs + chunk * 16, 16,
+                              valid ? 0 : 16);
+    }
   }
 }
 
@@ -181,8 +203,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int num_pairs = (ng * (D / 2) + kDecodeThreads - 1) / kDecodeThreads;
 
   if (begin < end) {
-    load_kv_tile<T, D>(view, seq, kv_head, keys, begin, end, k_tile_at(0), v_tile_at(0), pos_tiles,
-                       tid, kDecodeThreads, kDecodeTile);
+    load_kv_tile<T, D, kDecodeThreads, kDecodeTile>(view, seq, kv_head, keys, begin, end,
+                                                    k_tile_at(0), v_tile_at(0), pos_tiles, tid);
   }
   __pipeline_commit();
   int buf = 0;
@@ -190,9 +212,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const std::int64_t next = i0 + kDecodeTile;
     if constexpr (kStages == 2) {
       if (next < end) {
-        load_kv_tile<T, D>(view, seq, kv_head, keys, next, end, k_tile_at(buf ^ 1),
-                           v_tile_at(buf ^ 1), pos_tiles + (buf ^ 1) * kDecodeTile, tid,
-                           kDecodeThreads, kDecodeTile);
+        load_kv_tile<T, D, kDecodeThreads, kDecodeTile>(view, seq, kv_head, keys, next, end,
+                                                        k_tile_at(buf ^ 1), v_tile_at(buf ^ 1),
+                                                        pos_tiles + (buf ^ 1) * kDecodeTile, tid);
       }
       __pipeline_commit();
       __pipeline_wait_prior(1);  // this thread's copies of the current tile have landed
@@ -263,31 +285,36 @@ __global__ void __launch_bounds__(kDecodeThreads)
       }
     }
     __syncthreads();
-    // p.V: this thread owns dim pairs o = a * kDecodeThreads + tid of the (query head, dim)
-    // outputs; p is read four keys at a time (broadcast), V two dims at a time.
+    // p.V: this thread owns the outputs o = a * kDecodeThreads + tid, each the dims
+    // (d, d + 1) of query head o / (D / 2); D / 2 divides kDecodeThreads, so they share the same
+    // d and each V pair of the tile is read once for all of them. p is read four keys at a time
+    // (broadcast). Accumulators are rescaled by the tile's correction first.
+    static_assert(kDecodeThreads % (D / 2) == 0);
+    const char* vcol = v_tile + 2 * (tid % (D / 2)) * static_cast<int>(sizeof(T));
 #pragma unroll
     for (int a = 0; a < kPairs; ++a) {
-      const int o = a * kDecodeThreads + tid;
-      if (a < num_pairs && o < ng * (D / 2)) {
-        const int g = o / (D / 2), d = 2 * (o % (D / 2));
-        const float4* p4 = reinterpret_cast<const float4*>(s_s + g * kDecodeTile);
-        const char* vcol = v_tile + d * static_cast<int>(sizeof(T));
-        float2 sum = make_float2(0.0f, 0.0f);
-#pragma unroll 4
-        for (int j4 = 0; j4 < kDecodeTile / 4; ++j4) {
-          const float4 p = p4[j4];
-          const float pj[4] = {p.x, p.y, p.z, p.w};
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            const float2 vv =
-                load_pair(reinterpret_cast<const T*>(vcol + (4 * j4 + jj) * kRowStride));
-            sum.x += pj[jj] * vv.x;
-            sum.y += pj[jj] * vv.y;
-          }
-        }
+      const int g = (a * kDecodeThreads + tid) / (D / 2);
+      if (a < num_pairs && g < ng) {
         const float c = corr_s[g];
-        acc[a].x = acc[a].x * c + sum.x;
-        acc[a].y = acc[a].y * c + sum.y;
+        acc[a].x *= c;
+        acc[a].y *= c;
+      }
+    }
+#pragma unroll 2
+    for (int j4 = 0; j4 < kDecodeTile / 4; ++j4) {
+      float2 vv[4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        vv[jj] = load_pair(reinterpret_cast<const T*>(vcol + (4 * j4 + jj) * kRowStride));
+      }
+#pragma unroll
+      for (int a = 0; a < kPairs; ++a) {
+        const int g = (a * kDecodeThreads + tid) / (D / 2);
+        if (a < num_pairs && g < ng) {
+          const float4 p = reinterpret_cast<const float4*>(s_s + g * kDecodeTile)[j4];
+          acc[a].x += p.x * vv[0].x + p.y * vv[1].x + p.z * vv[2].x + p.w * vv[3].x;
+          acc[a].y += p.x * vv[0].y + p.y * vv[1].y + p.z * vv[2].y + p.w * vv[3].y;
+        }
       }
     }
     __syncthreads();  // everybody is done with this tile before its buffer is refilled
@@ -295,8 +322,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
       buf ^= 1;
     } else {
       if (next < end) {
-        load_kv_tile<T, D>(view, seq, kv_head, keys, next, end, k_tile_at(0), v_tile_at(0),
-                           pos_tiles, tid, kDecodeThreads, kDecodeTile);
+        load_kv_tile<T, D, kDecodeThreads, kDecodeTile>(view, seq, kv_head, keys, next, end,
+                                                        k_tile_at(0), v_tile_at(0), pos_tiles, tid);
       }
       __pipeline_commit();
     }

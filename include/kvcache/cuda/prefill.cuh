@@ -133,8 +133,9 @@ __global__ void __launch_bounds__(kPrefillThreads)
   for (std::int64_t i0 = 0; i0 < count; i0 += kPrefillKeys) {
     if (mask.causal && keys.pos(i0) > last_pos) break;  // positions grow with the index
     __syncthreads();  // previous step done with k_s, v_s, s_s, p_s
-    load_kv_tile<T, D>(view, seq, kv_head, keys, i0, count, reinterpret_cast<char*>(k_s),
-                       reinterpret_cast<char*>(v_s), pos_s, tid, kPrefillThreads, kPrefillKeys);
+    load_kv_tile<T, D, kPrefillThreads, kPrefillKeys>(view, seq, kv_head, keys, i0, count,
+                                                      reinterpret_cast<char*>(k_s),
+                                                      reinterpret_cast<char*>(v_s), pos_s, tid);
     __pipeline_commit();
     __pipeline_wait_prior(0);
     __syncthreads();

@@ -440,24 +440,39 @@ inline void __syncwarp(unsigned = 0xffffffffu) {
   kvemu::wait(kvemu::block().warp_barriers[kvemu::warp_of(kvemu::fiber())]);
 }
 
-template <class T>
-T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+namespace kvemu {
+/// Every lane of the calling warp publishes `value`; returns the value lane `source(lane)`
+/// published. Full warps only, as kvcache's kernels use them.
+template <class T, class Source>
+T shuffle(unsigned mask, T value, int width, Source source) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
-  kvemu::Block& b = kvemu::block();
-  kvemu::Fiber& f = kvemu::fiber();
-  const unsigned warp = kvemu::warp_of(f), lane = kvemu::lane_of(f);
+  Block& b = block();
+  const Fiber& f = fiber();
+  const unsigned warp = warp_of(f), lane = lane_of(f);
   if (mask != 0xffffffffu || width != 32 || b.warp_barriers[warp].expected != 32) {
-    kvemu::fail("__shfl_xor_sync: only full-warp shuffles are emulated");
+    fail("shuffle: only full-warp shuffles are emulated");
   }
   std::uint64_t bits = 0;
   std::memcpy(&bits, &value, sizeof(T));
   b.exchange[warp][lane] = bits;
-  kvemu::wait(b.warp_barriers[warp]);
-  bits = b.exchange[warp][lane ^ static_cast<unsigned>(lane_mask & 31)];
-  kvemu::wait(b.warp_barriers[warp]);  // everybody has read before the next shuffle writes
+  wait(b.warp_barriers[warp]);
+  bits = b.exchange[warp][source(lane) % 32];
+  wait(b.warp_barriers[warp]);  // everybody has read before the next shuffle writes
   T out;
   std::memcpy(&out, &bits, sizeof(T));
   return out;
+}
+}  // namespace kvemu
+
+template <class T>
+T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+  return kvemu::shuffle(mask, value, width,
+                        [&](unsigned lane) { return lane ^ static_cast<unsigned>(lane_mask); });
+}
+template <class T>
+T __shfl_sync(unsigned mask, T value, int src_lane, int width = 32) {
+  return kvemu::shuffle(mask, value, width,
+                        [&](unsigned) { return static_cast<unsigned>(src_lane); });
 }
 
 template <class T>
