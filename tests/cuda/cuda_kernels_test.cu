@@ -347,7 +347,11 @@ TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda]", 
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-prefill");
   for (kcuda::Layout layout : kLayouts) {
-    for (std::size_t dim : {64, 128}) {
+    // 256: one K/V buffer for fp16/bf16 (float rejects it), as for float at 128
+    const std::vector<std::size_t> dims = std::is_same_v<TestType, float>
+                                              ? std::vector<std::size_t>{64, 128}
+                                              : std::vector<std::size_t>{64, 128, 256};
+    for (std::size_t dim : dims) {
       const std::size_t kv_heads = 2, group = 2, q_heads = kv_heads * group;
       const Twin t{layout, 1, kv_heads, dim, 3, 700, 300, 2, 200};
       kcuda::DeviceCache<TestType> dev(device_config(t));

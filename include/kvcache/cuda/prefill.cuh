@@ -49,30 +49,40 @@ struct MmaTraits<float> {
   __device__ static storage from_float(float x) { return x; }
 };
 
-/// Shared-memory row strides (elements) and total bytes of the prefill kernel.
-template <Element T, int D>
-struct PrefillSmem {
+/// Shared-memory row strides (elements) and byte offsets of the prefill kernel with kStages K/V
+/// buffers.
+template <Element T, int D, int kStages>
+struct PrefillLayout {
   using S = typename MmaTraits<T>::storage;
+  static constexpr int kStageCount = kStages;
   static constexpr int kPadS = 16 / static_cast<int>(sizeof(S));  // 16 bytes
   static constexpr int kLdQ = D + kPadS;             // q, k, v tiles [64][D + pad] (storage)
   static constexpr int kLdP = kPrefillKeys + kPadS;  // p [64][64 + pad] (storage)
   static constexpr int kLdS = kPrefillKeys + 4;      // scores [64][68] (float)
   static constexpr int kLdO = D + 4;                 // output accumulator [64][D + 4] (float)
+  static constexpr std::size_t kTile = sizeof(S) * kPrefillKeys * kLdQ;  // one K or V buffer
   static constexpr std::size_t kQ = 0;
-  static constexpr std::size_t kK = kQ + sizeof(S) * kPrefillRows * kLdQ;
-  static constexpr std::size_t kV = kK + sizeof(S) * kPrefillKeys * kLdQ;
-  static constexpr std::size_t kP = kV + sizeof(S) * kPrefillKeys * kLdQ;
+  static constexpr std::size_t kK = kQ + sizeof(S) * kPrefillRows * kLdQ;  // K[kStages]
+  static constexpr std::size_t kV = kK + kStages * kTile;                  // V[kStages]
+  static constexpr std::size_t kP = kV + kStages * kTile;
   static constexpr std::size_t kS = kP + sizeof(S) * kPrefillRows * kLdP;
   static constexpr std::size_t kO = kS + sizeof(float) * kPrefillRows * kLdS;
-  static constexpr std::size_t kPos = kO + sizeof(float) * kPrefillRows * kLdO;
-  static constexpr std::size_t kStats = kPos + sizeof(std::int64_t) * kPrefillKeys;
+  static constexpr std::size_t kPos = kO + sizeof(float) * kPrefillRows * kLdO;  // [kStages][64]
+  static constexpr std::size_t kStats = kPos + kStages * sizeof(std::int64_t) * kPrefillKeys;
   static constexpr std::size_t kBytes = kStats + 3 * sizeof(float) * kPrefillRows;
 };
 
+/// The prefill kernel's layout: K/V double-buffered (the next tile's copies in flight while this
+/// one is used) wherever that fits, else one buffer (fp16/bf16 at head_dim 256, float at 128).
+template <Element T, int D>
+using PrefillSmem = std::conditional_t<PrefillLayout<T, D, 2>::kBytes <= kMaxSmemBytes,
+                                       PrefillLayout<T, D, 2>, PrefillLayout<T, D, 1>>;
+
 /// One block per (64-row query tile, query head, sequence). Query row r of sequence s sits at
-/// position length[s] - q_len(s) + r. Every step loads 64 keys of the visible list, computes the
-/// 64 x 64 scores on tensor cores (warp w owns query rows 16w..16w+15), updates the online
-/// softmax of its rows, rescales their accumulator rows, and adds p.V on tensor cores.
+/// position length[s] - q_len(s) + r. Every step takes 64 keys of the visible list (their copies
+/// issued a step ahead where two K/V buffers fit), computes the 64 x 64 scores on tensor cores
+/// (warp w owns query rows 16w..16w+15), updates the online softmax of its rows, rescales their
+/// accumulator rows, and adds p.V on tensor cores.
 template <Element T, int D>
 __global__ void __launch_bounds__(kPrefillThreads)
     prefill_attention_kernel(DeviceKVView<T> view, const float* __restrict__ q,
@@ -101,12 +111,15 @@ __global__ void __launch_bounds__(kPrefillThreads)
 
   extern __shared__ __align__(128) unsigned char smem[];
   S* q_s = reinterpret_cast<S*>(smem + L::kQ);
-  S* k_s = reinterpret_cast<S*>(smem + L::kK);
-  S* v_s = reinterpret_cast<S*>(smem + L::kV);
+  constexpr int kStages = L::kStageCount;
+  auto k_at = [&](int b) { return smem + L::kK + b * L::kTile; };
+  auto v_at = [&](int b) { return smem + L::kV + b * L::kTile; };
+  auto pos_at = [&](int b) {
+    return reinterpret_cast<std::int64_t*>(smem + L::kPos) + b * kPrefillKeys;
+  };
   S* p_s = reinterpret_cast<S*>(smem + L::kP);
   float* s_s = reinterpret_cast<float*>(smem + L::kS);
   float* o_s = reinterpret_cast<float*>(smem + L::kO);
-  std::int64_t* pos_s = reinterpret_cast<std::int64_t*>(smem + L::kPos);
   float* m_s = reinterpret_cast<float*>(smem + L::kStats);
   float* l_s = m_s + kPrefillRows;
   float* corr_s = l_s + kPrefillRows;
@@ -130,15 +143,32 @@ __global__ void __launch_bounds__(kPrefillThreads)
 
   const KeyRange keys = visible_keys(key_range(view, seq), mask, first_pos);
   const std::int64_t count = keys.count();
-  for (std::int64_t i0 = 0; i0 < count; i0 += kPrefillKeys) {
-    if (mask.causal && keys.pos(i0) > last_pos) break;  // positions grow with the index
-    __syncthreads();  // previous step done with k_s, v_s, s_s, p_s
-    load_kv_tile<T, D, kPrefillThreads, kPrefillKeys>(view, seq, kv_head, keys, i0, count,
-                                                      reinterpret_cast<char*>(k_s),
-                                                      reinterpret_cast<char*>(v_s), pos_s, tid);
-    __pipeline_commit();
-    __pipeline_wait_prior(0);
-    __syncthreads();
+  // Tiles start at every kPrefillKeys-th key of the list, up to the first that starts past every
+  // row (positions grow with the index, so causally none of its keys is visible).
+  auto wanted = [&](std::int64_t i) {
+    return i < count && !(mask.causal && keys.pos(i) > last_pos);
+  };
+  auto load = [&](std::int64_t i, int b) {
+    load_kv_tile<T, D, kPrefillThreads, kPrefillKeys>(
+        view, seq, kv_head, keys, i, count, reinterpret_cast<char*>(k_at(b)),
+        reinterpret_cast<char*>(v_at(b)), pos_at(b), tid);
+  };
+  if (wanted(0)) load(0, 0);
+  __pipeline_commit();
+  int buf = 0;
+  for (std::int64_t i0 = 0; wanted(i0); i0 += kPrefillKeys) {
+    const std::int64_t next = i0 + kPrefillKeys;
+    if constexpr (kStages == 2) {
+      if (wanted(next)) load(next, buf ^ 1);
+      __pipeline_commit();
+      __pipeline_wait_prior(1);  // this thread's copies of the current tile have landed
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();  // ... and everybody's (and q_s, o_s, m_s, l_s are initialised)
+    const S* k_s = reinterpret_cast<const S*>(k_at(buf));
+    const S* v_s = reinterpret_cast<const S*>(v_at(buf));
+    const std::int64_t* pos_s = pos_at(buf);
 
     // scores: warp rows [16w, 16w + 16) x 64 keys
     {
@@ -229,8 +259,16 @@ __global__ void __launch_bounds__(kPrefillThreads)
       }
       wmma::store_matrix_sync(o_tile, o, L::kLdO, wmma::mem_row_major);
     }
+    __syncthreads();  // everybody is done with this tile's K/V before its buffer is refilled
+    if constexpr (kStages == 2) {
+      buf ^= 1;
+    } else {
+      if (wanted(next)) load(next, 0);
+      __pipeline_commit();
+    }
   }
-  __syncthreads();
+  __pipeline_wait_prior(0);
+  __syncthreads();  // o_s, l_s of every warp (also when no tile was visited)
   for (int i = tid; i < rows * D; i += kPrefillThreads) {
     const int r = i / D, d = i % D;
     const float l = l_s[r];
