@@ -82,6 +82,8 @@ void fill(kcuda::DeviceCache<half>& cache, int context) {
 
 struct DecodeResult {
   double bandwidth, ms;
+  int splits, blocks_per_sm;
+  std::size_t smem_bytes;
 };
 
 DecodeResult decode(kcuda::Layout layout, int context) {
@@ -108,7 +110,15 @@ DecodeResult decode(kcuda::Layout layout, int context) {
                     kcuda::DeviceAttendArgs{.workspace = ws.data(), .workspace_bytes = ws_bytes});
   });
   const double bytes = 2.0 * kBatch * static_cast<double>(context) * kKvHeads * kDim * sizeof(half);
-  return {bytes / (ms * 1e-3), ms};
+  // the launch's shape, for reading the figure: splits per sequence and resident blocks
+  const auto plan =
+      kcuda::detail::plan_decode<half, kDim>(kBatch, kQHeads, kKvHeads, view.max_keys);
+  int per_sm = 0;
+  kcuda::check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                   &per_sm, kcuda::detail::decode_attention_kernel<half, kDim>,
+                   kcuda::kDecodeThreads, plan.smem_bytes),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  return {bytes / (ms * 1e-3), ms, plan.splits, per_sm, plan.smem_bytes};
 }
 
 double prefill_tflops(int cached, int fresh, float* ms_out) {
@@ -162,13 +172,15 @@ int main() {
   std::printf("device-to-device copy: %.0f GB/s (bytes read + written)\n\n", copy / 1e9);
   std::printf("decode attention, batch %d, %d q heads / %d kv heads, head_dim %d, fp16 K/V\n",
               kBatch, kQHeads, kKvHeads, kDim);
-  std::printf("%-11s %8s %10s %10s %12s\n", "layout", "context", "ms", "GB/s", "/ copy bw");
+  std::printf("%-11s %8s %10s %10s %12s %7s %10s %9s\n", "layout", "context", "ms", "GB/s",
+              "/ copy bw", "splits", "blocks/SM", "smem KiB");
   for (kcuda::Layout layout : {kcuda::Layout::paged, kcuda::Layout::contiguous}) {
     for (int context : {4096, 16384, 32768}) {
       const DecodeResult r = decode(layout, context);
-      std::printf("%-11s %8d %10.3f %10.0f %12.3f\n",
+      std::printf("%-11s %8d %10.3f %10.0f %12.3f %7d %10d %9.1f\n",
                   layout == kcuda::Layout::paged ? "paged/16" : "contiguous", context, r.ms,
-                  r.bandwidth / 1e9, r.bandwidth / copy);
+                  r.bandwidth / 1e9, r.bandwidth / copy, r.splits, r.blocks_per_sm,
+                  static_cast<double>(r.smem_bytes) / 1024.0);
     }
   }
   float ms = 0;
