@@ -3,7 +3,8 @@
 // Each block's threads are fibers that switch only at barriers (__syncthreads, __syncwarp, warp
 // shuffles); blocks run one after another. Dynamic shared memory is poisoned with NaNs per block,
 // device memory per allocation; cp.async copies land at random either early (at commit) or as
-// late as the wait allows; wmma stores come from the warp's last lane. What this cannot check:
+// late as the wait allows; wmma products and stores come from the warp's last lane (mma.h).
+// Launch limits and the shared-memory opt-in are checked as CUDA does. What this cannot check:
 // timing, real concurrency, the GPU memory model, tensor-core fragment layouts.
 #pragma once
 
