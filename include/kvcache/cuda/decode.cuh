@@ -141,6 +141,42 @@ __device__ __forceinline__ void load_kv_tile(const DeviceKVView<T>& view, int se
   }
 }
 
+/// The K/V tile pipeline of the attention kernels: compute(i0, buf) for i0 = first,
+/// first + step, ... while wanted(i0), where load(i, buf) issues the cp.async copies of the tile
+/// at i into buffer buf (0 or 1). With kStages == 2 the next tile's copies are issued before this
+/// one is computed on; with 1, after. compute runs between two __syncthreads(): on entry every
+/// thread's copies of its tile (and whatever the block wrote before the call) are visible; after
+/// it, the tile's buffer may be refilled. Returns with every copy landed, after a barrier.
+template <int kStages, class Wanted, class Load, class Compute>
+__device__ __forceinline__ void for_each_kv_tile(std::int64_t first, std::int64_t step,
+                                                 Wanted&& wanted, Load&& load, Compute&& compute) {
+  static_assert(kStages == 1 || kStages == 2);
+  if (wanted(first)) load(first, 0);
+  __pipeline_commit();
+  int buf = 0;
+  for (std::int64_t i0 = first; wanted(i0); i0 += step) {
+    const std::int64_t next = i0 + step;
+    if constexpr (kStages == 2) {
+      if (wanted(next)) load(next, buf ^ 1);
+      __pipeline_commit();
+      __pipeline_wait_prior(1);  // this thread's copies of the current tile have landed
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();  // ... and everybody's
+    compute(i0, buf);
+    __syncthreads();  // everybody is done with this tile before its buffer is refilled
+    if constexpr (kStages == 2) {
+      buf ^= 1;
+    } else {
+      if (wanted(next)) load(next, 0);
+      __pipeline_commit();
+    }
+  }
+  __pipeline_wait_prior(0);
+  __syncthreads();
+}
+
 /// One block per (split, KV head x head chunk, sequence), its query token at position
 /// length - 1; the block serves query heads [h0, h0 + ng) of the KV head. Per tile: partial q.k
 /// for every (query head, key) — thread = (key, half of head_dim) so that a warp reads 32
@@ -202,26 +238,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int a = 0; a < kPairs; ++a) acc[a] = make_float2(0.0f, 0.0f);
   const int num_pairs = (ng * (D / 2) + kDecodeThreads - 1) / kDecodeThreads;
 
-  if (begin < end) {
-    load_kv_tile<T, D, kDecodeThreads, kDecodeTile>(view, seq, kv_head, keys, begin, end,
-                                                    k_tile_at(0), v_tile_at(0), pos_tiles, tid);
-  }
-  __pipeline_commit();
-  int buf = 0;
-  for (std::int64_t i0 = begin; i0 < end; i0 += kDecodeTile) {
-    const std::int64_t next = i0 + kDecodeTile;
-    if constexpr (kStages == 2) {
-      if (next < end) {
-        load_kv_tile<T, D, kDecodeThreads, kDecodeTile>(view, seq, kv_head, keys, next, end,
-                                                        k_tile_at(buf ^ 1), v_tile_at(buf ^ 1),
-                                                        pos_tiles + (buf ^ 1) * kDecodeTile, tid);
-      }
-      __pipeline_commit();
-      __pipeline_wait_prior(1);  // this thread's copies of the current tile have landed
-    } else {
-      __pipeline_wait_prior(0);
-    }
-    __syncthreads();  // ... and everybody's
+  auto load = [&](std::int64_t i, int b) {
+    load_kv_tile<T, D, kDecodeThreads, kDecodeTile>(view, seq, kv_head, keys, i, end, k_tile_at(b),
+                                                    v_tile_at(b), pos_tiles + b * kDecodeTile, tid);
+  };
+  auto compute = [&](std::int64_t, int buf) {
     const char* k_tile = k_tile_at(buf);
     const char* v_tile = v_tile_at(buf);
     const std::int64_t* pos_tile = pos_tiles + buf * kDecodeTile;
@@ -317,19 +338,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
         }
       }
     }
-    __syncthreads();  // everybody is done with this tile before its buffer is refilled
-    if constexpr (kStages == 2) {
-      buf ^= 1;
-    } else {
-      if (next < end) {
-        load_kv_tile<T, D, kDecodeThreads, kDecodeTile>(view, seq, kv_head, keys, next, end,
-                                                        k_tile_at(0), v_tile_at(0), pos_tiles, tid);
-      }
-      __pipeline_commit();
-    }
-  }
-  __pipeline_wait_prior(0);
-  __syncthreads();  // m_s, l_s written by other threads (also when this split has no keys)
+  };
+  // ends after a barrier: m_s, l_s of every warp (also when this split has no keys)
+  for_each_kv_tile<kStages>(
+      begin, kDecodeTile, [&](std::int64_t i) { return i < end; }, load, compute);
 
 #pragma unroll
   for (int a = 0; a < kPairs; ++a) {

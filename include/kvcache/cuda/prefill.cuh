@@ -153,19 +153,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
         view, seq, kv_head, keys, i, count, reinterpret_cast<char*>(k_at(b)),
         reinterpret_cast<char*>(v_at(b)), pos_at(b), tid);
   };
-  if (wanted(0)) load(0, 0);
-  __pipeline_commit();
-  int buf = 0;
-  for (std::int64_t i0 = 0; wanted(i0); i0 += kPrefillKeys) {
-    const std::int64_t next = i0 + kPrefillKeys;
-    if constexpr (kStages == 2) {
-      if (wanted(next)) load(next, buf ^ 1);
-      __pipeline_commit();
-      __pipeline_wait_prior(1);  // this thread's copies of the current tile have landed
-    } else {
-      __pipeline_wait_prior(0);
-    }
-    __syncthreads();  // ... and everybody's (and q_s, o_s, m_s, l_s are initialised)
+  // q_s, o_s, m_s, l_s are initialised before the first compute (a barrier precedes it)
+  auto compute = [&](std::int64_t, int buf) {
     const S* k_s = reinterpret_cast<const S*>(k_at(buf));
     const S* v_s = reinterpret_cast<const S*>(v_at(buf));
     const std::int64_t* pos_s = pos_at(buf);
@@ -259,16 +248,9 @@ __global__ void __launch_bounds__(kPrefillThreads)
       }
       wmma::store_matrix_sync(o_tile, o, L::kLdO, wmma::mem_row_major);
     }
-    __syncthreads();  // everybody is done with this tile's K/V before its buffer is refilled
-    if constexpr (kStages == 2) {
-      buf ^= 1;
-    } else {
-      if (wanted(next)) load(next, 0);
-      __pipeline_commit();
-    }
-  }
-  __pipeline_wait_prior(0);
-  __syncthreads();  // o_s, l_s of every warp (also when no tile was visited)
+  };
+  // ends after a barrier: o_s, l_s of every warp (also when no tile was visited)
+  for_each_kv_tile<kStages>(0, kPrefillKeys, wanted, load, compute);
   for (int i = tid; i < rows * D; i += kPrefillThreads) {
     const int r = i / D, d = i % D;
     const float l = l_s[r];
