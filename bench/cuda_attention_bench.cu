@@ -121,12 +121,7 @@ DecodeResult decode(kcuda::Layout layout, int context) {
   // the launch's shape, for reading the figure: splits per sequence and resident blocks
   const auto plan =
       kcuda::detail::plan_decode<half, kDim>(kBatch, kQHeads, kKvHeads, view.max_keys);
-  int per_sm = 0;
-  kcuda::check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                   &per_sm, kcuda::detail::decode_attention_kernel<half, kDim>,
-                   kcuda::kDecodeThreads, plan.smem_bytes),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  return {bytes / (ms * 1e-3), ms, plan.splits, per_sm, plan.smem_bytes};
+  return {bytes / (ms * 1e-3), ms, plan.splits, plan.blocks_per_sm, plan.smem_bytes};
 }
 
 double prefill_tflops(int cached, int fresh, float* ms_out) {

@@ -398,6 +398,7 @@ struct DecodePlan {
   int splits = 1;                   ///< blocks along each sequence's keys
   std::int64_t keys_per_split = 0;  ///< a multiple of kDecodeTile; splits x it >= max_keys
   std::size_t smem_bytes = 0;       ///< dynamic shared memory per block
+  int blocks_per_sm = 0;            ///< resident blocks per multiprocessor at that smem (>= 1)
 
   /// Partials of every split (0 for one split: the kernel writes the output directly).
   [[nodiscard]] std::size_t workspace_bytes(int num_seqs, int num_q_heads, int head_dim) const {
@@ -492,9 +493,11 @@ DecodePlan plan_decode(int num_seqs, int num_q_heads, int num_kv_heads, std::int
   int per_sm = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDecodeThreads, smem),
         "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  const std::int64_t slots = static_cast<std::int64_t>(device_sm_count()) * std::max(per_sm, 1);
+  per_sm = std::max(per_sm, 1);
+  const std::int64_t slots = static_cast<std::int64_t>(device_sm_count()) * per_sm;
   DecodePlan p = plan_decode_grid(num_seqs, group, num_kv_heads, max_keys, slots);
   p.smem_bytes = smem;
+  p.blocks_per_sm = per_sm;
   return p;
 }
 
