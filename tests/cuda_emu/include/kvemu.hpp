@@ -489,36 +489,30 @@ inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
 inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
 
 // ---- runtime API ------------------------------------------------------------------------------
-inline const char* cudaGetErrorName(cudaError_t e) {
+namespace kvemu {
+struct ErrorText {
+  const char* name;
+  const char* text;
+};
+/// CUDA's name and message of each error the emulator reports.
+inline ErrorText error_text(cudaError_t e) {
   switch (e) {
     case cudaSuccess:
-      return "cudaSuccess";
+      return {"cudaSuccess", "no error"};
     case cudaErrorInvalidValue:
-      return "cudaErrorInvalidValue";
+      return {"cudaErrorInvalidValue", "invalid argument"};
     case cudaErrorMemoryAllocation:
-      return "cudaErrorMemoryAllocation";
+      return {"cudaErrorMemoryAllocation", "out of memory"};
     case cudaErrorInvalidConfiguration:
-      return "cudaErrorInvalidConfiguration";
+      return {"cudaErrorInvalidConfiguration", "invalid configuration argument"};
     case cudaErrorNoDevice:
-      return "cudaErrorNoDevice";
+      return {"cudaErrorNoDevice", "no CUDA-capable device is detected"};
   }
-  return "cudaErrorUnknown";
+  return {"cudaErrorUnknown", "unknown error"};
 }
-inline const char* cudaGetErrorString(cudaError_t e) {
-  switch (e) {
-    case cudaSuccess:
-      return "no error";
-    case cudaErrorInvalidValue:
-      return "invalid argument";
-    case cudaErrorMemoryAllocation:
-      return "out of memory";
-    case cudaErrorInvalidConfiguration:
-      return "invalid configuration argument";
-    case cudaErrorNoDevice:
-      return "no CUDA-capable device is detected";
-  }
-  return "unknown error";
-}
+}  // namespace kvemu
+inline const char* cudaGetErrorName(cudaError_t e) { return kvemu::error_text(e).name; }
+inline const char* cudaGetErrorString(cudaError_t e) { return kvemu::error_text(e).text; }
 inline cudaError_t cudaGetLastError() { return std::exchange(kvemu::g_last_error, cudaSuccess); }
 inline cudaError_t cudaGetDeviceCount(int* n) {
   *n = 1;
