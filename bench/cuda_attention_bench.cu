@@ -4,8 +4,9 @@
 // 32 query / 8 KV heads, head_dim 128, fp16 K/V) over paged (block 16) and contiguous caches at
 // 4k/16k/32k context, as achieved bandwidth (K+V bytes read / time) next to a device-to-device copy
 // measured in the same run; and prefill of 2048 new tokens against a 2048-token cached prefix, as
-// TFLOP/s.
+// TFLOP/s; and batch-1 decode with and without a DecodeSetup (the host's share of a short launch).
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -75,11 +76,11 @@ double copy_bandwidth() {
 
 /// Fills every sequence of a one-layer cache with `context` tokens, kChunk at a time for the
 /// whole batch per append (so paged blocks interleave across sequences, as in serving).
-void fill(kcuda::DeviceCache<half>& cache, int context) {
-  const std::size_t n = static_cast<std::size_t>(kBatch) * kChunk * kKvHeads * kDim;
+void fill(kcuda::DeviceCache<half>& cache, int batch, int context) {
+  const std::size_t n = static_cast<std::size_t>(batch) * kChunk * kKvHeads * kDim;
   auto k = random_floats(n, 1), v = random_floats(n, 2);
-  std::vector<std::size_t> seqs(kBatch), counts(kBatch, kChunk);
-  for (int s = 0; s < kBatch; ++s) seqs[s] = static_cast<std::size_t>(s);
+  std::vector<std::size_t> seqs(batch), counts(batch, kChunk);
+  for (int s = 0; s < batch; ++s) seqs[s] = static_cast<std::size_t>(s);
   for (int done = 0; done < context; done += kChunk)
     cache.append(0, seqs, counts, k.data(), v.data(), nullptr);
   kcuda::check(cudaDeviceSynchronize(), "fill");
@@ -91,37 +92,77 @@ struct DecodeResult {
   std::size_t smem_bytes;
 };
 
+/// One layer's decode: batch sequences of `context` tokens, a paged or contiguous cache.
+struct DecodeBench {
+  DecodeBench(kcuda::Layout layout, int seqs, int context)
+      : batch(seqs),
+        cache({.layout = layout,
+               .num_layers = 1,
+               .num_kv_heads = kKvHeads,
+               .head_dim = kDim,
+               .max_batch = static_cast<std::size_t>(seqs),
+               .max_seq_len = static_cast<std::size_t>(context),
+               .block_size = 16,
+               .num_blocks = static_cast<std::size_t>(seqs) * context / 16}),
+        q(random_floats(static_cast<std::size_t>(seqs) * kQHeads * kDim, 3)),
+        out(q.size()),
+        setup(kcuda::make_decode_setup<half>(kQHeads, kKvHeads, kDim)) {
+    fill(cache, batch, context);
+    ws = kcuda::DeviceBuffer<unsigned char>(
+        kcuda::decode_workspace_bytes(cache.view(0), kQHeads, {}, &setup));
+  }
+  /// One launch; `with_setup` false: the device queried in the launch, as without a setup.
+  void run(bool with_setup = true) {
+    const auto b = static_cast<std::size_t>(batch);
+    kvcache::attend(
+        kvcache::TokenBlock<const float>{std::span<const float>(q.data(), q.size()), b, kQHeads,
+                                         kDim},
+        cache.view(0),
+        kvcache::TokenBlock<float>{std::span<float>(out.data(), out.size()), b, kQHeads, kDim}, {},
+        kcuda::DeviceAttendArgs{.workspace = ws.data(),
+                                .workspace_bytes = ws.bytes(),
+                                .decode_setup = with_setup ? &setup : nullptr});
+  }
+
+  int batch;
+  kcuda::DeviceCache<half> cache;
+  kcuda::DeviceBuffer<float> q, out;
+  kcuda::DecodeSetup setup;
+  kcuda::DeviceBuffer<unsigned char> ws;
+};
+
 DecodeResult decode(kcuda::Layout layout, int context) {
-  kcuda::DeviceCache<half> cache({.layout = layout,
-                                  .num_layers = 1,
-                                  .num_kv_heads = kKvHeads,
-                                  .head_dim = kDim,
-                                  .max_batch = kBatch,
-                                  .max_seq_len = static_cast<std::size_t>(context),
-                                  .block_size = 16,
-                                  .num_blocks = static_cast<std::size_t>(kBatch) * context / 16});
-  fill(cache, context);
-  auto q = random_floats(static_cast<std::size_t>(kBatch) * kQHeads * kDim, 3);
-  kcuda::DeviceBuffer<float> out(q.size());
-  const auto view = cache.view(0);
-  const std::size_t ws_bytes = kcuda::decode_workspace_bytes(view, kQHeads);
-  kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
-  const kvcache::TokenBlock<const float> qb{std::span<const float>(q.data(), q.size()), kBatch,
-                                            kQHeads, kDim};
-  const kvcache::TokenBlock<float> ob{std::span<float>(out.data(), out.size()), kBatch, kQHeads,
-                                      kDim};
-  const float ms = time_ms(
-      [&] {
-        kvcache::attend(
-            qb, view, ob, {},
-            kcuda::DeviceAttendArgs{.workspace = ws.data(), .workspace_bytes = ws_bytes});
-      },
-      /*batch=*/10);
+  DecodeBench b(layout, kBatch, context);
+  const float ms = time_ms([&] { b.run(); }, /*batch=*/10);
   const double bytes = 2.0 * kBatch * static_cast<double>(context) * kKvHeads * kDim * sizeof(half);
   // the launch's shape, for reading the figure: splits per sequence and resident blocks
-  const auto plan =
-      kcuda::detail::plan_decode<half, kDim>(kBatch, kQHeads, kKvHeads, view.max_keys);
+  const auto plan = kcuda::detail::plan_decode(b.setup, kBatch, kKvHeads, b.cache.view(0).max_keys);
   return {bytes / (ms * 1e-3), ms, plan.splits, plan.blocks_per_sm, plan.smem_bytes};
+}
+
+/// Host microseconds to issue one launch (100 issued back to back, then synchronised).
+double host_us_per_launch(DecodeBench& b, bool with_setup) {
+  constexpr int kLaunches = 100;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < kLaunches; ++i) b.run(with_setup);
+  const auto t1 = std::chrono::steady_clock::now();
+  kcuda::check(cudaDeviceSynchronize(), "host_us_per_launch");
+  return std::chrono::duration<double, std::micro>(t1 - t0).count() / kLaunches;
+}
+
+/// Small-batch decode, where the kernel is short enough for host work to show: batch 1 at 4k
+/// (16 MiB of K+V), each launch with a DecodeSetup and querying the device instead.
+void small_batch_decode() {
+  DecodeBench b(kcuda::Layout::paged, 1, 4096);
+  const float with = time_ms([&] { b.run(true); }, /*batch=*/100);
+  const float without = time_ms([&] { b.run(false); }, /*batch=*/100);
+  const double host_with = host_us_per_launch(b, true);
+  const double host_without = host_us_per_launch(b, false);
+  std::printf(
+      "\ndecode batch 1, 4k context, paged/16 (100 launches back to back): %.1f us per launch "
+      "with a DecodeSetup, %.1f us querying the device in each (%.2fx); host issue %.1f vs %.1f "
+      "us\n",
+      with * 1e3, without * 1e3, without / with, host_with, host_without);
 }
 
 double prefill_tflops(int cached, int fresh, float* ms_out) {
@@ -186,6 +227,7 @@ int main() {
                   static_cast<double>(r.smem_bytes) / 1024.0);
     }
   }
+  small_batch_decode();
   float ms = 0;
   const double tflops = prefill_tflops(2048, 2048, &ms);
   std::printf(

@@ -290,9 +290,11 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
   // block boundary; short: one split, the output written without the merge kernel
   const std::vector<std::size_t> long_lengths{3000, 1, 17, 513, 2049};
   const std::vector<std::size_t> short_lengths{200, 1, 64, 17, 129};
+  bool with_setup = false;  // every other launch sized by a DecodeSetup made once, not queried
   for (kcuda::Layout layout : kLayouts) {
     for (const Case& c : cases) {
       for (const auto* lengths_ptr : {&long_lengths, &short_lengths}) {
+        with_setup = !with_setup;
         const std::vector<std::size_t>& lengths = *lengths_ptr;
         const Twin t{layout, 1, c.kv_heads, c.dim, 5, 3000, 500, 4, 300};
         kcuda::DeviceCache<TestType> dev(device_config(t));
@@ -310,8 +312,15 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
         kcuda::check(cudaMemset(dout.data(), 0xff, dout.bytes()), "poison");  // NaN everywhere
         const auto view = dev.view(0);
         dev.check_attention(0, std::vector<std::size_t>(t.batch, 1), opts);
+        std::optional<kcuda::DecodeSetup> setup;
+        if (with_setup) {
+          setup = kcuda::make_decode_setup<TestType>(
+              static_cast<int>(q_heads), static_cast<int>(c.kv_heads), static_cast<int>(c.dim));
+        }
+        const kcuda::DecodeSetup* setup_ptr = setup ? &*setup : nullptr;
         const std::size_t ws_bytes =
-            kcuda::decode_workspace_bytes(view, static_cast<int>(q_heads), opts);
+            kcuda::decode_workspace_bytes(view, static_cast<int>(q_heads), opts, setup_ptr);
+        REQUIRE(ws_bytes == kcuda::decode_workspace_bytes(view, static_cast<int>(q_heads), opts));
         if (lengths_ptr == &short_lengths) REQUIRE(ws_bytes == 0);  // one split
         if (lengths_ptr == &long_lengths) REQUIRE(ws_bytes > 0);
         kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
@@ -320,7 +329,9 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
                                     c.dim},
             view,
             TokenBlock<float>{std::span<float>(dout.data(), q.size()), t.batch, q_heads, c.dim},
-            opts, kcuda::DeviceAttendArgs{.workspace = ws.data(), .workspace_bytes = ws_bytes});
+            opts,
+            kcuda::DeviceAttendArgs{
+                .workspace = ws.data(), .workspace_bytes = ws_bytes, .decode_setup = setup_ptr});
         kcuda::check(cudaDeviceSynchronize(), "decode");
         const auto got = download(dout.data(), q.size());
         for (std::size_t s = 0; s < t.batch; ++s) {
@@ -332,7 +343,7 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
                 cv, {expect, 1, q_heads, c.dim}, opts);
           });
           INFO("layout " << static_cast<int>(layout) << " dim " << c.dim << " group " << c.group
-                         << " seq " << s << " length " << lengths[s]);
+                         << " seq " << s << " length " << lengths[s] << " setup " << with_setup);
           kvcache::test::check_close(
               std::span<const float>(got).subspan(s * q_heads * c.dim, q_heads * c.dim), expect,
               decode_tolerance<TestType>());
@@ -441,6 +452,28 @@ TEST_CASE("CUDA launchers and DeviceCache reject bad input with the numbers", "[
                         AttentionOptions{}, kcuda::DeviceAttendArgs{});
       },
       "head_dim 96", "64, 128, 256");
+  // a DecodeSetup serves only the dtype, head_dim, group and device it was made for
+  const auto setup = kcuda::make_decode_setup<kvcache::half>(2, 1, 64);
+  kcuda::DeviceBuffer<float> q2(2 * 2 * 64), out2(2 * 2 * 64);  // 2 sequences x up to 2 heads
+  kcuda::check(cudaMemset(q2.data(), 0, q2.bytes()), "zero q");
+  const auto decode = [&](int q_heads, const kcuda::DecodeSetup& s) {
+    kcuda::launch_decode_attention(dev.view(0), q2.data(), out2.data(), q_heads, AttentionOptions{},
+                                   nullptr, 0, nullptr, &s);
+  };
+  decode(2, setup);
+  require_throws<kvcache::shape_error>([&] { decode(1, setup); }, "group 2", "used for f16",
+                                       "group 1");
+  require_throws<kvcache::shape_error>(
+      [&] { decode(1, kcuda::make_decode_setup<kvcache::bfloat16>(1, 1, 64)); }, "for bf16",
+      "used for f16");
+  require_throws<kvcache::shape_error>(
+      [&] { decode(1, kcuda::make_decode_setup<kvcache::half>(1, 1, 128)); }, "head_dim 128",
+      "used for f16, head_dim 64");
+  require_throws<kvcache::shape_error>([&] { decode(1, kcuda::DecodeSetup{}); }, "0 SMs");
+  auto elsewhere = setup;
+  elsewhere.device += 7;
+  require_throws<kvcache::shape_error>([&] { decode(2, elsewhere); }, "DecodeSetup of device",
+                                       "used on device");
   kcuda::check(cudaDeviceSynchronize(), "errors");
 }
 
@@ -571,4 +604,21 @@ TEST_CASE("CUDA launchers reject bad shapes before touching the device", "[cuda]
   require_throws<kvcache::shape_error>(
       [] { (void)kcuda::decode_workspace_bytes<kvcache::half>(4, 8, 4, 96, 1000); }, "head_dim 96",
       "64, 128, 256");
+  require_throws<kvcache::shape_error>(
+      [] { (void)kcuda::make_decode_setup<kvcache::half>(6, 4, 128); }, "num_q_heads 6");
+  require_throws<kvcache::shape_error>([] { (void)kcuda::make_decode_setup<float>(8, 4, 80); },
+                                       "head_dim 80", "64, 128, 256");
+  // with a setup the workspace size is host arithmetic: the same plan as plan_decode_grid
+  const kcuda::DecodeSetup h200{.dtype = kvcache::DType::f16,
+                                .head_dim = 128,
+                                .group = 4,
+                                .smem_bytes = 1,
+                                .blocks_per_sm = 3,
+                                .num_sms = 132};
+  const auto plan = kcuda::detail::plan_decode_grid(32, 4, 8, 4096, 132 * 3);
+  REQUIRE(kcuda::decode_workspace_bytes<kvcache::half>(h200, 32, 32, 8, 128, 4096) ==
+          plan.workspace_bytes(32, 32, 128));
+  require_throws<kvcache::shape_error>(
+      [&] { (void)kcuda::decode_workspace_bytes<kvcache::bfloat16>(h200, 32, 32, 8, 128, 4096); },
+      "DecodeSetup for f16", "used for bf16");
 }

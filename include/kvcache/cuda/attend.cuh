@@ -32,6 +32,10 @@ struct DeviceAttendArgs {
   const std::int32_t* q_offsets = nullptr;
   /// Prefill: the largest q_offsets[s + 1] - q_offsets[s] (host-side; sizes the grid).
   int max_q_len = 1;
+  /// Decode: make_decode_setup(...) of this device, dtype, head_dim and group, or nullptr to
+  /// query the device on every launch. With one the launch makes no CUDA call but cudaGetDevice
+  /// and the kernel launches.
+  const DecodeSetup* decode_setup = nullptr;
 };
 
 namespace detail {
@@ -43,34 +47,55 @@ inline DeviceMask device_mask(const AttentionOptions& opts) {
 
 }  // namespace detail
 
-/// Bytes of workspace launch_decode_attention needs for this view on the current device
-/// (decode_workspace_bytes for the view's shape and max_keys, the options' window applied).
+/// Bytes of workspace launch_decode_attention needs for this view (decode_workspace_bytes for
+/// the view's shape and max_keys, the options' window applied), with `setup` if given (no CUDA
+/// call), else on the current device.
 template <Element T>
 [[nodiscard]] std::size_t decode_workspace_bytes(const DeviceKVView<T>& view, int num_q_heads,
-                                                 const AttentionOptions& opts = {}) {
+                                                 const AttentionOptions& opts = {},
+                                                 const DecodeSetup* setup = nullptr) {
+  const std::int64_t keys = detail::decode_keys(view.max_keys, opts);
+  if (setup != nullptr) {
+    return decode_workspace_bytes<T>(*setup, view.num_seqs, num_q_heads, view.num_kv_heads,
+                                     view.head_dim, keys);
+  }
   return decode_workspace_bytes<T>(view.num_seqs, num_q_heads, view.num_kv_heads, view.head_dim,
-                                   detail::decode_keys(view.max_keys, opts));
+                                   keys);
 }
 
 /// Decode attention: q and out [num_seqs][num_q_heads][head_dim] device arrays, one query token
 /// per sequence of the view (at position length - 1). Empty sequences get a zero output. Any
 /// GQA/MQA group: each block serves up to kMaxGroup query heads of one KV head. Splits each
 /// sequence's keys over several blocks (merged by a second kernel) so that the grid fills the
-/// device's waves; workspace must hold decode_workspace_bytes(...) bytes.
+/// device's waves; workspace must hold decode_workspace_bytes(...) bytes. `setup`, if given
+/// (make_decode_setup on this device), replaces the device queries every launch makes without.
 /// @throws shape_error (head_dim not 64/128/256, num_q_heads not a multiple of num_kv_heads,
-///         workspace too small), cuda_error.
+///         workspace too small, setup made for another dtype, head_dim, group or device),
+///         cuda_error.
 template <Element T>
 void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float* out,
                              int num_q_heads, const AttentionOptions& opts, void* workspace,
-                             std::size_t workspace_bytes, cudaStream_t stream) {
+                             std::size_t workspace_bytes, cudaStream_t stream,
+                             const DecodeSetup* setup = nullptr) {
   detail::check_heads("CUDA decode attention", num_q_heads, view.num_kv_heads);
+  const int group = num_q_heads / view.num_kv_heads;
+  if (setup != nullptr) {
+    detail::check_setup<T>(*setup, view.head_dim, group, "CUDA decode attention");
+    int device = -1;
+    check(cudaGetDevice(&device), "cudaGetDevice");
+    if (device != setup->device) {
+      throw shape_error(kvcache::detail::message("CUDA decode attention: DecodeSetup of device ",
+                                                 setup->device, " used on device ", device));
+    }
+  }
   const float scale =
       opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(view.head_dim));
   const std::int64_t max_keys = detail::decode_keys(view.max_keys, opts);
   detail::dispatch_head_dim(view.head_dim, [&](auto d) {
     constexpr int D = decltype(d)::value;
     const detail::DecodePlan plan =
-        detail::plan_decode<T, D>(view.num_seqs, num_q_heads, view.num_kv_heads, max_keys);
+        detail::plan_decode(setup != nullptr ? *setup : detail::query_decode_setup<T, D>(group),
+                            view.num_seqs, view.num_kv_heads, max_keys);
     const std::size_t need = plan.workspace_bytes(view.num_seqs, num_q_heads, D);
     if (workspace_bytes < need || (need > 0 && workspace == nullptr)) {
       throw shape_error(kvcache::detail::message(
@@ -162,7 +187,7 @@ void attend(TokenBlock<const float> q, const cuda::DeviceKVView<T>& view, TokenB
                                         " query tokens for ", view.num_seqs, " sequences"));
     }
     cuda::launch_decode_attention(view, q.data.data(), out.data.data(), heads, opts, args.workspace,
-                                  args.workspace_bytes, args.stream);
+                                  args.workspace_bytes, args.stream, args.decode_setup);
   } else {
     cuda::launch_prefill_attention(view, q.data.data(), out.data.data(), heads, args.q_offsets,
                                    args.max_q_len, opts, args.stream);

@@ -11,6 +11,8 @@
 #include <cstdint>
 
 #include "kvcache/attention/options.hpp"
+#include "kvcache/core/dtype.hpp"
+#include "kvcache/core/error.hpp"
 #include "kvcache/cuda/kernels_common.cuh"
 #include "kvcache/cuda/runtime.cuh"
 #include "kvcache/cuda/view.cuh"
@@ -456,14 +458,6 @@ inline DecodePlan plan_decode_grid(int num_seqs, int group, int num_kv_heads, st
   return p;
 }
 
-[[nodiscard]] inline int device_sm_count() {
-  int device = 0, sms = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-        "cudaDeviceGetAttribute(multiProcessorCount)");
-  return sms;
-}
-
 /// Lets `kernel` use `bytes` of dynamic shared memory (beyond the default 48 KiB).
 template <class Kernel>
 void allow_smem(Kernel kernel, std::size_t bytes) {
@@ -481,44 +475,106 @@ inline std::int64_t decode_keys(std::int64_t max_keys, const AttentionOptions& o
                                 static_cast<std::int64_t>(opts.window + opts.num_sink_tokens));
 }
 
-/// The plan for the current device: shared memory of decode_attention_kernel<T, D> (raised
-/// above 48 KiB where needed) and its occupancy size the waves. @throws cuda_error.
+}  // namespace detail
+
+/// What a decode launch is sized by on one device, queried once (make_decode_setup) rather than
+/// on every launch: the decode kernel's dynamic shared memory for this dtype, head_dim and GQA
+/// group (its limit raised past 48 KiB on that device), its resident blocks per multiprocessor
+/// at that size, and the multiprocessor count. A decode step of an engine launches once per
+/// layer; without a setup each launch first makes four CUDA calls (device, SM count, shared
+/// memory limit, occupancy), host time that a short kernel (small batch or context) does not
+/// hide. Plain data: copy it, keep one per (device, model).
+struct DecodeSetup {
+  int device = -1;             ///< the CUDA device it was queried on
+  DType dtype = DType::f32;    ///< element type of the K/V it serves
+  int head_dim = 0;            ///< 64, 128 or 256
+  int group = 0;               ///< query heads per KV head
+  std::size_t smem_bytes = 0;  ///< dynamic shared memory per decode block
+  int blocks_per_sm = 0;       ///< resident decode blocks per multiprocessor (>= 1)
+  int num_sms = 0;             ///< multiprocessors of the device
+};
+
+namespace detail {
+
+/// Queries the current device for decode_attention_kernel<T, D> serving `group` query heads per
+/// KV head, raising its shared-memory limit there. @throws cuda_error.
 template <Element T, int D>
-DecodePlan plan_decode(int num_seqs, int num_q_heads, int num_kv_heads, std::int64_t max_keys) {
-  const int group = num_q_heads / num_kv_heads;
-  const std::size_t smem =
-      decode_smem_bytes<T>(D, decode_chunk_group(group), decode_stages<T, D>());
+DecodeSetup query_decode_setup(int group) {
+  DecodeSetup setup{.dtype = dtype_of<T>, .head_dim = D, .group = group};
+  check(cudaGetDevice(&setup.device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&setup.num_sms, cudaDevAttrMultiProcessorCount, setup.device),
+        "cudaDeviceGetAttribute(multiProcessorCount)");
+  setup.smem_bytes = decode_smem_bytes<T>(D, decode_chunk_group(group), decode_stages<T, D>());
   auto kernel = decode_attention_kernel<T, D>;
-  allow_smem(kernel, smem);
-  int per_sm = 0;
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDecodeThreads, smem),
+  allow_smem(kernel, setup.smem_bytes);
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&setup.blocks_per_sm, kernel, kDecodeThreads,
+                                                      setup.smem_bytes),
         "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  per_sm = std::max(per_sm, 1);
-  const std::int64_t slots = static_cast<std::int64_t>(device_sm_count()) * per_sm;
-  DecodePlan p = plan_decode_grid(num_seqs, group, num_kv_heads, max_keys, slots);
-  p.smem_bytes = smem;
-  p.blocks_per_sm = per_sm;
+  setup.blocks_per_sm = std::max(setup.blocks_per_sm, 1);
+  return setup;
+}
+
+/// @throws shape_error unless `setup` was made for T, head_dim and group (on any device).
+template <Element T>
+void check_setup(const DecodeSetup& setup, int head_dim, int group, const char* what) {
+  if (setup.dtype != dtype_of<T> || setup.head_dim != head_dim || setup.group != group ||
+      setup.blocks_per_sm < 1 || setup.num_sms < 1) {
+    throw shape_error(kvcache::detail::message(
+        what, ": DecodeSetup for ", dtype_name(setup.dtype), ", head_dim ", setup.head_dim,
+        ", group ", setup.group, " (", setup.num_sms, " SMs x ", setup.blocks_per_sm,
+        " blocks) used for ", dtype_name(dtype_of<T>), ", head_dim ", head_dim, ", group ", group));
+  }
+}
+
+/// The plan of one launch from a setup: host arithmetic only, no CUDA call.
+inline DecodePlan plan_decode(const DecodeSetup& setup, int num_seqs, int num_kv_heads,
+                              std::int64_t max_keys) {
+  const std::int64_t slots = static_cast<std::int64_t>(setup.num_sms) * setup.blocks_per_sm;
+  DecodePlan p = plan_decode_grid(num_seqs, setup.group, num_kv_heads, max_keys, slots);
+  p.smem_bytes = setup.smem_bytes;
+  p.blocks_per_sm = setup.blocks_per_sm;
   return p;
 }
 
 }  // namespace detail
 
-/// Bytes of workspace launch_decode_attention needs on the current device for a batch of
-/// num_seqs sequences whose views hold at most `max_keys` keys (DeviceKVView::max_keys): the
-/// partials of every split, 0 when one split suffices. Non-decreasing in max_keys: query it once
-/// for the longest context served, allocate, and reuse the buffer for every launch.
+/// The DecodeSetup of the current device for decode attention over T K/V with this head_dim and
+/// num_q_heads / num_kv_heads query heads per KV head. Call it once per device and model, after
+/// cudaSetDevice; pass it to every decode launch on that device (DeviceAttendArgs::decode_setup).
+/// @throws shape_error (head_dim not 64/128/256, num_q_heads not a multiple of num_kv_heads),
+///         cuda_error.
+template <Element T>
+[[nodiscard]] DecodeSetup make_decode_setup(int num_q_heads, int num_kv_heads, int head_dim) {
+  detail::check_heads("CUDA decode setup", num_q_heads, num_kv_heads);
+  DecodeSetup setup;
+  detail::dispatch_head_dim(head_dim, [&](auto d) {
+    setup = detail::query_decode_setup<T, decltype(d)::value>(num_q_heads / num_kv_heads);
+  });
+  return setup;
+}
+
+/// Bytes of workspace launch_decode_attention needs, with `setup`, for a batch of num_seqs
+/// sequences whose views hold at most `max_keys` keys (DeviceKVView::max_keys): the partials of
+/// every split, 0 when one split suffices. Non-decreasing in max_keys: query it once for the
+/// longest context served, allocate, and reuse the buffer for every launch. No CUDA call.
+/// @throws shape_error (setup made for another dtype, head_dim or group).
+template <Element T>
+[[nodiscard]] std::size_t decode_workspace_bytes(const DecodeSetup& setup, int num_seqs,
+                                                 int num_q_heads, int num_kv_heads, int head_dim,
+                                                 std::int64_t max_keys) {
+  detail::check_heads("CUDA decode attention", num_q_heads, num_kv_heads);
+  detail::check_setup<T>(setup, head_dim, num_q_heads / num_kv_heads, "CUDA decode attention");
+  return detail::plan_decode(setup, num_seqs, num_kv_heads, max_keys)
+      .workspace_bytes(num_seqs, num_q_heads, head_dim);
+}
+
+/// decode_workspace_bytes for the current device, its setup queried first.
 /// @throws shape_error (as launch_decode_attention), cuda_error.
 template <Element T>
 [[nodiscard]] std::size_t decode_workspace_bytes(int num_seqs, int num_q_heads, int num_kv_heads,
                                                  int head_dim, std::int64_t max_keys) {
-  detail::check_heads("CUDA decode attention", num_q_heads, num_kv_heads);
-  std::size_t bytes = 0;
-  detail::dispatch_head_dim(head_dim, [&](auto d) {
-    constexpr int D = decltype(d)::value;
-    bytes = detail::plan_decode<T, D>(num_seqs, num_q_heads, num_kv_heads, max_keys)
-                .workspace_bytes(num_seqs, num_q_heads, D);
-  });
-  return bytes;
+  const DecodeSetup setup = make_decode_setup<T>(num_q_heads, num_kv_heads, head_dim);
+  return decode_workspace_bytes<T>(setup, num_seqs, num_q_heads, num_kv_heads, head_dim, max_keys);
 }
 
 }  // namespace kvcache::cuda
