@@ -3,7 +3,9 @@
 // pool of any block size; the loaded full blocks serve prefix-cache hits once released (a prompt
 // prefilled by one process, reused by another); a pool too small is refused with nothing changed;
 // paged and unpaged snapshots never mix; the format's policy-4 rules are enforced.
+#include <algorithm>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "kvcache/io/snapshot.hpp"
@@ -363,18 +365,82 @@ TEST_CASE("a destination pool too small is refused with pool_exhausted_error, no
     require_same_sequences(small, dest);
     REQUIRE(dest.stats().blocks_free == 1);
   }
-  {  // a sequence holding the same content: its blocks would be cached, usable with eviction
-    auto dest = make_paged<float>(9, 4, 2);
+  {  // sequences holding the same content: their 7 full blocks are shared, not copied, and
+     // their 2 partial blocks freed make room for the 2 new ones; no eviction needed
+    for (bool evict : {false, true}) {
+      auto dest = make_paged<float>(9, 4, 2, evict);
+      load_snapshot_bytes(bytes, dest, kModel);
+      const auto before = paged_state(dest);
+      load_snapshot_bytes(bytes, dest, kModel);
+      require_same_sequences(source, dest);
+      const auto after = paged_state(dest);
+      REQUIRE(std::equal(before.tables[0].begin(), before.tables[0].begin() + 5,
+                         after.tables[0].begin()));
+      REQUIRE(std::equal(before.tables[1].begin(), before.tables[1].begin() + 2,
+                         after.tables[1].begin()));
+      REQUIRE(after.stats.blocks_used == 9);
+      REQUIRE(after.stats.evictions == 0);
+    }
+  }
+}
+
+TEST_CASE("restoring a prefix the pool caches shares its blocks: only the rest needs room") {
+  auto rng = kvcache::test::make_rng("snapshot-paged-shared");
+  const auto system = kvcache::test::prompt_with_prefix(rng, {}, 22);  // 5 full blocks + 2
+  const auto bytes = system_prompt_snapshot<float>(system, 4);
+  auto source = make_paged<float>(64, 4, 1);
+  kSynth.run_prompt(source, 0, system, 7);
+  const auto other = iota_ids(4, 900);
+  // 8 blocks: the system prompt's 5 full blocks cached (loaded, released), then one block of
+  // another prompt cached after them (the most recently released), 2 held by sequence 1
+  auto setup = [&](bool evict) {
+    auto dest = make_paged<float>(8, 4, 2, evict);
     load_snapshot_bytes(bytes, dest, kModel);
+    const auto loaded = table_of(dest, 0);
+    dest.release(0);
+    kSynth.run_prompt(dest, 1, other);
+    dest.release(1);
+    kvcache::test::append_random(dest, rng, 1, 8, 3);
+    const PrefixCacheStats st = dest.stats();
+    REQUIRE(st.blocks_free == 0);
+    REQUIRE(st.blocks_cached == 6);
+    return std::pair{std::move(dest), loaded};
+  };
+  {  // the load needs 1 block (the partial one): the only evictable block is the other prompt's,
+     // although the system prompt's were released first
+    auto [dest, loaded] = setup(true);
+    load_snapshot_bytes(bytes, dest, kModel);
+    const PrefixCacheStats st = dest.stats();
+    REQUIRE(st.evictions == 1);
+    REQUIRE(st.blocks_cached == 0);
+    REQUIRE(st.blocks_used == 8);
+    const auto table = table_of(dest, 0);
+    REQUIRE(std::equal(loaded.begin(), loaded.begin() + 5, table.begin()));
+    REQUIRE(dest.match_prefix(other) == 0);
+    REQUIRE(ids_of(dest, 0) == system);
+    for (std::size_t l = 0; l < kLayers; ++l) {
+      REQUIRE(kvcache::test::view_contents(dest.view(l, 0)) ==
+              kvcache::test::view_contents(source.view(l, 0)));
+    }
+    kSynth.require_attention_matches(dest, 0, system, rng);
+    REQUIRE(dest.check_consistency() == "");
+    // and released again, the prefix is cached once: an admit shares it
+    dest.release(0);
+    REQUIRE(dest.stats().blocks_cached == 5);
+    REQUIRE(dest.admit(0, concat(system, iota_ids(3, 50))) == 20);
+    REQUIRE(dest.check_consistency() == "");
+  }
+  {  // without eviction the one block is not there: refused, the shared blocks counted, nothing
+     // changed (the system prompt's blocks still cached, none held)
+    auto [dest, loaded] = setup(false);
     const auto before = paged_state(dest);
-    require_throws<pool_exhausted_error>([&] { load_snapshot_bytes(bytes, dest, kModel); },
-                                         "needs 9 blocks", "has 2 free and 7 evictable");
+    require_throws<pool_exhausted_error>(
+        [&] { load_snapshot_bytes(bytes, dest, kModel); },
+        "restore of 1 sequences needs 1 blocks but the pool of 8 has 0 free and 1 evictable",
+        "sharing 5 already cached", "eviction is off");
     REQUIRE(paged_state(dest) == before);
-    auto evicting = make_paged<float>(9, 4, 2, true);
-    load_snapshot_bytes(bytes, evicting, kModel);
-    load_snapshot_bytes(bytes, evicting, kModel);
-    require_same_sequences(source, evicting);
-    REQUIRE(evicting.stats().blocks_used == 9);
+    REQUIRE(dest.check_consistency() == "");
+    REQUIRE(dest.match_prefix(system) == 20);
   }
 }
 

@@ -465,22 +465,24 @@ class PagedCache {
 
   /// Snapshot restore hook (load_snapshot() calls it): replaces every *named* sequence (one
   /// that an entry or `tokens` names) by the one described; other sequences are untouched.
-  /// A named sequence's previous blocks are released (as release() would), fresh blocks are
-  /// taken from the pool for the positions of its longest restored layer, the K/V rows are
-  /// copied in, its ids are registered (those `tokens` gives it; none if it gives none), and a
-  /// layer without an entry is left empty. Ids may run ahead of the K/V (as after admit()). Then
-  /// the normal commit path runs, as after append() and add_tokens(): the blocks that are full
-  /// in every layer and have their ids are indexed, and one equal to a block already indexed
-  /// (same prefix, same ids) is replaced by that block, its fresh copy freed. So after a
-  /// restore and release(seq), the restored prefix stays cached and a later admit() of a prompt
-  /// starting with those ids shares it: a prompt prefilled by one process serves prefix hits in
-  /// another.
+  /// A named sequence's previous blocks are released (as release() would); its leading blocks
+  /// that are full in every layer, have their ids, and equal a block already indexed (same
+  /// prefix, same ids, as admit() would match) share that block, their K/V rows in the entries
+  /// unread; fresh blocks are taken from the pool for the rest of the positions of its longest
+  /// restored layer and the K/V rows copied in; its ids are registered (those `tokens` gives it;
+  /// none if it gives none), and a layer without an entry is left empty. Ids may run ahead of
+  /// the K/V (as after admit()). Then the normal commit path runs, as after append() and
+  /// add_tokens(): the fresh blocks that are full in every layer and have their ids are indexed.
+  /// So after a restore and release(seq), the restored prefix stays cached and a later admit()
+  /// of a prompt starting with those ids shares it: a prompt prefilled by one process serves
+  /// prefix hits in another, and restoring a prefix the pool caches already costs no blocks.
   ///
   /// Blocks: the named sequences need the sum over them of ceil(longest restored layer /
-  /// block_size) fresh blocks. Available are the free blocks plus those the replaced sequences
-  /// would free (held by no other sequence and not indexed), and with evict_when_full also the
-  /// cached blocks plus the indexed ones the replaced sequences would leave cached (counted
-  /// exactly: each block's references from the named sequences against its reference count).
+  /// block_size) blocks less those shared. Available are the free blocks plus those the replaced
+  /// sequences would free (held by no other sequence and not indexed), and with evict_when_full
+  /// also the cached blocks plus the indexed ones the replaced sequences would leave cached,
+  /// less those shared (counted exactly: each block's references from the named sequences
+  /// against its reference count).
   ///
   /// Allocates validation scratch: O(num_layers * max_batch) plus the ids of the blocks the named
   /// sequences hold. O(elements of the entries + num_layers * max_batch + H log H) for the H
@@ -534,38 +536,71 @@ class PagedCache {
       ids_of[t.seq] = &t;
       named[t.seq] = true;
     }
-    // Fresh blocks per named sequence, and the blocks the named sequences hold now (sorted, so
-    // that each block's references from them can be counted).
-    std::vector<std::size_t> fresh(max_batch_, 0);
-    std::size_t needed = 0, num_named = 0;
+    // Blocks per named sequence; the leading ones that commit() could index (full in every
+    // layer, ids registered), which may already be indexed; and the blocks the named sequences
+    // hold now (sorted, so that each block's references from them can be counted).
+    std::vector<std::size_t> blocks(max_batch_, 0), committable(max_batch_, 0);
+    std::size_t num_named = 0, most_shared = 0;
     std::vector<block_id> held;
     for (std::size_t q = 0; q < max_batch_; ++q) {
       if (!named[q]) continue;
       const auto first = length.begin() + static_cast<std::ptrdiff_t>(q * num_layers);
-      fresh[q] = (*std::max_element(first, first + static_cast<std::ptrdiff_t>(num_layers)) +
-                  block_size_ - 1) /
-                 block_size_;
-      needed += fresh[q];
+      const auto last = first + static_cast<std::ptrdiff_t>(num_layers);
+      blocks[q] = (*std::max_element(first, last) + block_size_ - 1) / block_size_;
+      if (prefix_caching_ && ids_of[q] != nullptr) {
+        committable[q] =
+            std::min(*std::min_element(first, last), ids_of[q]->ids.size()) / block_size_;
+        most_shared += committable[q];
+      }
       ++num_named;
       held.insert(held.end(), table_of(q), table_of(q) + seqs_[q].num_blocks);
     }
     std::sort(held.begin(), held.end());
+    // Indexed blocks equal to a named sequence's leading blocks (same prefix, same ids): shared
+    // rather than filled with a copy that commit() would swap for them. [match_at[q], +
+    // num_shared[q])
+    std::vector<block_id> matched(most_shared), pinned;
+    std::vector<std::size_t> match_at(max_batch_, 0), num_shared(max_batch_, 0);
+    pinned.reserve(most_shared);
     {
       std::lock_guard lock(shared_->mutex);
       BlockPool& pool = shared_->pool;
+      std::size_t needed = 0, num_matched = 0;
+      for (std::size_t q = 0; q < max_batch_; ++q) {
+        if (!named[q]) continue;
+        match_at[q] = num_matched;
+        if (committable[q] != 0) {
+          num_shared[q] = shared_->index.match(
+              std::span<const token_id>(ids_of[q]->ids).first(committable[q] * block_size_),
+              std::span<block_id>(matched).subspan(num_matched, committable[q]));
+          num_matched += num_shared[q];
+        }
+        needed += blocks[q] - num_shared[q];
+      }
       std::size_t would_free = 0, would_cache = 0;  // what releasing the named sequences yields
       for (std::size_t i = 0, j = 0; i < held.size(); i = j) {
         while (j < held.size() && held[j] == held[i]) ++j;
         if (pool.ref_count(held[i]) == j - i) ++(pool.indexed(held[i]) ? would_cache : would_free);
       }
+      // Shared blocks that are, or would be left, cached stay held: not evictable.
+      pinned.assign(matched.begin(), matched.begin() + static_cast<std::ptrdiff_t>(num_matched));
+      std::sort(pinned.begin(), pinned.end());
+      pinned.erase(std::unique(pinned.begin(), pinned.end()), pinned.end());
+      std::size_t num_pinned = 0;
+      for (const block_id b : pinned) {
+        const auto [lo, hi] = std::equal_range(held.begin(), held.end(), b);
+        if (pool.ref_count(b) == static_cast<std::size_t>(hi - lo)) ++num_pinned;
+      }
       const std::size_t free = pool.num_free() + would_free;
-      const std::size_t cached = pool.num_cached() + would_cache;
+      const std::size_t cached = pool.num_cached() + would_cache - num_pinned;
       if (needed > free && !(evict_when_full_ && needed <= free + cached)) {
         throw_exhausted(detail::message(kName, ": restore of ", num_named, " sequences"), needed,
                         free, cached,
                         detail::message(", counting the ", would_free + would_cache,
-                                        " blocks only the replaced sequences hold"));
+                                        " blocks only the replaced sequences hold and sharing ",
+                                        num_matched, " already cached"));
       }
+      for (std::size_t i = 0; i < num_matched; ++i) pool.acquire(matched[i]);
       for (std::size_t q = 0; q < max_batch_; ++q) {
         if (named[q]) release_blocks_locked(q, 0);
       }
@@ -574,16 +609,19 @@ class PagedCache {
       for (std::size_t q = 0; q < max_batch_; ++q) {
         if (!named[q]) continue;
         block_id* table = table_of(q);
-        for (std::size_t i = 0; i < fresh[q]; ++i) table[i] = pool.allocate();
-        seqs_[q].num_blocks = fresh[q];
+        std::copy_n(matched.begin() + static_cast<std::ptrdiff_t>(match_at[q]), num_shared[q],
+                    table);
+        for (std::size_t i = num_shared[q]; i < blocks[q]; ++i) table[i] = pool.allocate();
+        seqs_[q].num_blocks = blocks[q];
       }
     }
-    // The fresh blocks are this call's alone (held once, not indexed) until commit() below.
+    // The fresh blocks are this call's alone (held once, not indexed) until commit() below; the
+    // shared ones are indexed under this sequence's prefix already.
     for (std::size_t q = 0; q < max_batch_; ++q) {
       if (!named[q]) continue;
       Sequence& s = seqs_[q];
       s.num_tokens = 0;
-      s.committed = 0;
+      s.committed = num_shared[q];
       if (ids_of[q] != nullptr) {
         std::ranges::copy(ids_of[q]->ids, table_tokens(q));
         s.num_tokens = ids_of[q]->ids.size();
@@ -597,7 +635,7 @@ class PagedCache {
       const std::size_t n = e.held();
       T* layer_base = storage_.data() + e.layer * layer_elems_;
       const block_id* table = table_of(e.seq);
-      for (std::size_t first = 0; first < n; first += block_size_) {
+      for (std::size_t first = num_shared[e.seq] * block_size_; first < n; first += block_size_) {
         T* base = layer_base + std::size_t{table[first / block_size_]} * block_elems_;
         const std::size_t rows = std::min(block_size_, n - first);
         detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, rows, shape_);
