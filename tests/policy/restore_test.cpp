@@ -23,6 +23,15 @@ std::vector<LayerRestore<typename Cache::value_type>> entries_of(
   return out;
 }
 
+template <class Cache>
+std::size_t spare_bytes(const Cache& c) {
+  if constexpr (requires { c.spare_bytes(); }) {
+    return c.spare_bytes();
+  } else {
+    return 0;
+  }
+}
+
 /// Fills `a` at random, restores its packed contents into the fresh `b`, checks equality, then
 /// drives both with the same appends and crops and checks that they stay equal.
 template <class Cache>
@@ -34,7 +43,7 @@ void check_round_trip(Cache& a, Cache& b, std::mt19937_64& rng, std::size_t max_
   const auto packed = pack_all(a);
   b.restore(entries_of<Cache>(packed));
   require_same_contents(a, b);
-  REQUIRE(a.memory_bytes() == b.memory_bytes());
+  REQUIRE(a.memory_bytes() == b.memory_bytes() - spare_bytes(b));  // b may keep its old chunks
   for (int round = 0; round < 3; ++round) {
     for (std::size_t s = 0; s < a.max_batch(); ++s) {
       const std::size_t n = kvcache::test::uniform(rng, 1, max_chunk);
@@ -73,6 +82,56 @@ TEMPLATE_TEST_CASE("restore reproduces a dynamic cache exactly, chunks and memor
   DynamicCache<TestType> a(cfg), b(cfg);
   append_random(b, rng, 2, 23, 4);  // b's old contents are replaced, memory accounted
   check_round_trip(a, b, rng, 40, 6);
+}
+
+TEST_CASE("a dynamic cache's restore reuses the chunks it replaces and its spares") {
+  auto rng = kvcache::test::make_rng("restore-dynamic-reuse");
+  const DynamicCacheConfig cfg{
+      .num_layers = 2, .num_kv_heads = 2, .head_dim = 4, .max_batch = 2, .chunk_len = 4};
+  const std::size_t chunk = 2 * 4 * 2 * 4 * sizeof(float);  // K and V of chunk_len tokens
+  DynamicCache<float> a(cfg);
+  append_random(a, rng, 0, 10, 3);  // 3 chunks per layer
+  append_random(a, rng, 1, 7, 3);   // 2 chunks per layer
+  REQUIRE(a.memory_bytes() == 10 * chunk);
+  const auto packed = pack_all(a);
+  const auto entries = entries_of<DynamicCache<float>>(packed);
+
+  DynamicCache<float> b(cfg);  // 8 chunks held by sequence 0, 4 spare from sequence 1
+  append_random(b, rng, 0, 13, 5);
+  append_random(b, rng, 1, 5, 5);
+  b.reset(1);
+  REQUIRE(b.memory_bytes() == 12 * chunk);
+  REQUIRE(b.spare_bytes() == 4 * chunk);
+  b.restore(entries);
+  require_same_contents(a, b);
+  REQUIRE(b.memory_bytes() == 12 * chunk);  // nothing allocated, nothing freed
+  REQUIRE(b.spare_bytes() == 2 * chunk);
+
+  DynamicCache<float> c(cfg);  // 2 chunks held: the other 8 are allocated
+  append_random(c, rng, 1, 3, 3);
+  c.restore(entries);
+  require_same_contents(a, c);
+  REQUIRE(c.memory_bytes() == 10 * chunk);
+  REQUIRE(c.spare_bytes() == 0);
+
+  DynamicCacheConfig no_spares = cfg;  // max_spare_chunks 0: the 10 chunks left over are freed
+  no_spares.max_spare_chunks = 0;
+  DynamicCache<float> d(no_spares);
+  append_random(d, rng, 0, 40, 8);
+  REQUIRE(d.memory_bytes() == 20 * chunk);
+  d.restore(entries);
+  require_same_contents(a, d);
+  REQUIRE(d.memory_bytes() == 10 * chunk);
+  REQUIRE(d.spare_bytes() == 0);
+  // and each restored cache goes on like the original
+  for (auto* x : {&b, &c, &d}) {
+    auto rng_x = rng;
+    append_random(*x, rng_x, 1, 6, 4);
+  }
+  append_random(a, rng, 1, 6, 4);
+  require_same_contents(a, b);
+  require_same_contents(a, c);
+  require_same_contents(a, d);
 }
 
 TEMPLATE_TEST_CASE("restore reproduces a sliding window: ring, sinks, evicted gap", "", float,

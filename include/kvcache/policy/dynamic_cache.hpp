@@ -168,16 +168,19 @@ class DynamicCache {
   }
 
   /// Snapshot restore hook: puts each listed (layer, seq) in the given state, positions
-  /// [0, length) with the given K/V; other layers and sequences are untouched. The new chunks
-  /// are allocated and filled aside, then swapped in, so the old and new contents of the listed
-  /// slots coexist for the duration of the call. O(total elements).
-  /// @pre entries name each (layer, seq) at most once.
+  /// [0, length) with the given K/V; other layers and sequences are untouched. The chunks the
+  /// listed slots held and the spares are reused first (as reset() then append() would); only
+  /// the shortfall is allocated, before anything changes. Chunks left over become spares (up to
+  /// max_spare_chunks) or are freed. O(total elements).
+  /// @pre entries name each (layer, seq) at most once; their K/V do not alias this cache's
+  ///      storage.
   /// @post view(e.layer, e.seq) reports e.length and holds e.k / e.v.
   /// @throws layer_error, batch_error, shape_error, position_error (sink_end or recent_begin
   ///         not 0), capacity_error (length > max_seq_len), std::bad_alloc; all before anything
   ///         changes.
   void restore(std::span<const LayerRestore<T>> entries) {
     detail::check_restore_entries(kName, entries, shape_, max_batch_);
+    std::size_t needed = 0, released = 0;  // chunks the entries need; the listed slots hold
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const LayerRestore<T>& e = entries[i];
       if (e.sink_end != 0 || e.recent_begin != 0) {
@@ -190,28 +193,46 @@ class DynamicCache {
                                              " layer ", e.layer, " holds ", e.length,
                                              " tokens, more than max_seq_len ", max_seq_len_));
       }
+      needed += (e.held() + chunk_len_ - 1) / chunk_len_;
+      released += slots_[e.layer * max_batch_ + e.seq].chunks.size();
     }
-    std::vector<std::vector<AlignedBuffer<T>>> fresh(entries.size());
+    // Everything that can throw, aside: the shortfall's allocations, room in the spare list for
+    // the released chunks, room in each slot's list.
+    const std::size_t reusable = spare_.size() + released;
+    std::vector<AlignedBuffer<T>> grown;
+    grown.reserve(needed > reusable ? needed - reusable : 0);
+    for (std::size_t i = reusable; i < needed; ++i) grown.emplace_back(chunk_elems_);
+    spare_.reserve(spare_.size() + released + grown.size());
+    for (const LayerRestore<T>& e : entries) {
+      slots_[e.layer * max_batch_ + e.seq].chunks.reserve((e.held() + chunk_len_ - 1) / chunk_len_);
+    }
+    // Commit: within the reserves, nothing below throws.
+    allocated_bytes_ += grown.size() * chunk_bytes();
+    for (auto& c : grown) spare_.push_back(std::move(c));
+    for (const LayerRestore<T>& e : entries) {
+      Slot& slot = slots_[e.layer * max_batch_ + e.seq];
+      for (auto& c : slot.chunks) spare_.push_back(std::move(c));
+      slot.chunks.clear();
+      slot.length = 0;
+    }
     const std::size_t head_elems = chunk_len_ * shape_.head_dim;
     const std::size_t v_offset = shape_.num_kv_heads * head_elems;
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      const LayerRestore<T>& e = entries[i];
+    for (const LayerRestore<T>& e : entries) {
+      Slot& slot = slots_[e.layer * max_batch_ + e.seq];
       const std::size_t n = e.held();
-      const std::size_t num_chunks = (n + chunk_len_ - 1) / chunk_len_;
-      fresh[i].reserve(num_chunks);
-      for (std::size_t c = 0; c < num_chunks; ++c) {
-        T* base = fresh[i].emplace_back(chunk_elems_).data();
-        const std::size_t first = c * chunk_len_, run = std::min(chunk_len_, n - first);
+      for (std::size_t first = 0; first < n; first += chunk_len_) {
+        slot.chunks.push_back(std::move(spare_.back()));
+        spare_.pop_back();
+        T* base = slot.chunks.back().data();
+        const std::size_t run = std::min(chunk_len_, n - first);
         detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, run, shape_);
         detail::copy_packed_rows(base + v_offset, head_elems, 0, e.v.data(), n, first, run, shape_);
       }
+      slot.length = n;
     }
-    for (std::size_t i = 0; i < entries.size(); ++i) {  // commit: nothing below throws
-      Slot& slot = slots_[entries[i].layer * max_batch_ + entries[i].seq];
-      allocated_bytes_ -= slot.chunks.size() * chunk_bytes();
-      allocated_bytes_ += fresh[i].size() * chunk_bytes();
-      slot.chunks.swap(fresh[i]);
-      slot.length = entries[i].held();
+    while (spare_.size() > max_spare_chunks_) {
+      spare_.pop_back();
+      allocated_bytes_ -= chunk_bytes();
     }
   }
 
