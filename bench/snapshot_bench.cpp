@@ -2,6 +2,7 @@
 // Snapshot save and load throughput for a Llama-3-8B-shaped 2048-token fp16 StaticCache (256 MiB
 // of K/V), next to a plain write() / read() of a file of the same size measured in the same run,
 // warm (the file is in the page cache) and cold (its pages dropped with POSIX_FADV_DONTNEED).
+// Also a load into a DynamicCache that reuses its chunks, next to one into a fresh DynamicCache.
 // Files go to $KVCACHE_BENCH_DIR (default: the system temp directory).
 #include <benchmark/benchmark.h>
 #include <fcntl.h>
@@ -144,6 +145,34 @@ void BM_Load(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<std::int64_t>(f.file_bytes) * state.iterations());
 }
 
+/// Load (warm, mmap) into a DynamicCache: a fresh one per iteration, whose chunks are all
+/// allocated and first touched by the load, or the same one, whose chunks the load reuses.
+void BM_LoadDynamic(benchmark::State& state) {
+  auto& f = Fixture::get();
+  const bool reuse = state.range(0) != 0;
+  const kvcache::DynamicCacheConfig cfg{
+      .num_layers = kLayers, .num_kv_heads = kKvHeads, .head_dim = kHeadDim, .max_batch = 1};
+  auto dest = std::make_unique<kvcache::DynamicCache<half>>(cfg);
+  {  // a snapshot saved by a DynamicCache (a snapshot names its policy), as large
+    kvcache::DynamicCache<half> source(cfg);
+    const std::vector<float> kv(kTokens * kKvHeads * kHeadDim, 0.5f);
+    const kvcache::TokenBlock<const float> block{kv, kTokens, kKvHeads, kHeadDim};
+    for (std::size_t l = 0; l < kLayers; ++l) source.append(l, 0, block, block);
+    kvcache::save_snapshot(f.dir / "dynamic.kvs", source, kModel);
+  }
+  for (auto _ : state) {
+    if (!reuse) {
+      state.PauseTiming();
+      dest = std::make_unique<kvcache::DynamicCache<half>>(cfg);
+      state.ResumeTiming();
+    }
+    (void)kvcache::load_snapshot(f.dir / "dynamic.kvs", *dest, kModel);
+    benchmark::ClobberMemory();
+  }
+  if (dest->seq_length(0) != kTokens) state.SkipWithError("the snapshot did not load");
+  state.SetBytesProcessed(static_cast<std::int64_t>(f.file_bytes) * state.iterations());
+}
+
 void BM_Crc32c(benchmark::State& state) {
   static const std::vector<std::byte> data(std::size_t{256} << 20, std::byte{0x5a});
   const bool sliced = state.range(0) != 0;
@@ -165,6 +194,7 @@ BENCHMARK(BM_Save)->ArgName("durable")->Arg(0)->Arg(1)->Apply(configure);
 BENCHMARK(BM_PlainRead)->ArgName("cold")->Arg(0)->Arg(1)->Apply(configure);
 // method: 1 = mmap, 2 = read (LoadMethod numbering)
 BENCHMARK(BM_Load)->ArgNames({"method", "cold"})->ArgsProduct({{1, 2}, {0, 1}})->Apply(configure);
+BENCHMARK(BM_LoadDynamic)->ArgName("reuse")->Arg(0)->Arg(1)->Apply(configure);
 BENCHMARK(BM_Crc32c)->ArgName("sliced")->Arg(0)->Arg(1)->Apply(configure);
 
 }  // namespace
@@ -197,6 +227,8 @@ int main(int argc, char** argv) {
     line("load read, warm (vs read)", "BM_Load/method:2/cold:0", "BM_PlainRead/cold:0");
     line("load mmap, cold (vs cold read)", "BM_Load/method:1/cold:1", "BM_PlainRead/cold:1");
     line("load read, cold (vs cold read)", "BM_Load/method:2/cold:1", "BM_PlainRead/cold:1");
+    line("load into a DynamicCache, reused", "BM_LoadDynamic/reuse:1", "BM_LoadDynamic/reuse:0");
+    std::printf("  (vs a fresh DynamicCache per load: its chunks allocated and first touched)\n");
     std::printf("crc32c: SSE4.2 3-way %.2f GB/s, slicing-by-8 %.2f GB/s\n",
                 gbs("BM_Crc32c/sliced:0"), gbs("BM_Crc32c/sliced:1"));
     std::printf(
