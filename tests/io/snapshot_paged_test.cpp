@@ -384,6 +384,42 @@ TEST_CASE("a destination pool too small is refused with pool_exhausted_error, no
   }
 }
 
+TEST_CASE(
+    "sequences that shared a prefix share it again after a load, in a pool of the same size") {
+  auto rng = kvcache::test::make_rng("snapshot-paged-batch");
+  const auto system = kvcache::test::prompt_with_prefix(rng, {}, 18);  // 4 full blocks + 2
+  auto source = make_paged<float>(20, 4, 4);
+  // sequence 0 runs the system prompt; 1..3 start with it and go on (1 and 2 sharing 3 more
+  // blocks), each sharing the 4 full blocks through admit()
+  kSynth.run_prompt(source, 0, system, 5);
+  const auto long_prefix = concat(system, iota_ids(10, 300));
+  kSynth.run_prompt(source, 1, concat(long_prefix, iota_ids(3, 40)), 5);
+  kSynth.run_prompt(source, 2, concat(long_prefix, iota_ids(5, 50)), 5);
+  kSynth.run_prompt(source, 3, concat(system, iota_ids(7, 60)), 5);
+  const PrefixCacheStats used = source.stats();
+  REQUIRE(used.blocks_used < 20);
+  REQUIRE(source.check_consistency() == "");
+  const auto bytes = snapshot_to_bytes(source, kModel);
+  for (bool evict : {false, true}) {
+    INFO("evict_when_full " << evict);
+    auto dest = make_paged<float>(used.blocks_used, 4, 4, evict);  // exactly as many blocks
+    load_snapshot_bytes(bytes, dest, kModel);
+    require_same_sequences(source, dest);
+    REQUIRE(dest.stats().blocks_used == used.blocks_used);
+    REQUIRE(dest.stats().blocks_free == 0);
+    const auto t0 = table_of(dest, 0), t1 = table_of(dest, 1);
+    for (std::size_t s = 1; s < 4; ++s) {  // the system prompt's blocks, once
+      const auto ts = table_of(dest, s);
+      REQUIRE(std::equal(t0.begin(), t0.begin() + 4, ts.begin()));
+    }
+    const auto t2 = table_of(dest, 2);
+    REQUIRE(std::equal(t1.begin(), t1.begin() + 7, t2.begin()));
+    for (std::size_t s = 0; s < 4; ++s) {
+      kSynth.require_attention_matches(dest, s, ids_of(source, s), rng);
+    }
+  }
+}
+
 TEST_CASE("restoring a prefix the pool caches shares its blocks: only the rest needs room") {
   auto rng = kvcache::test::make_rng("snapshot-paged-shared");
   const auto system = kvcache::test::prompt_with_prefix(rng, {}, 22);  // 5 full blocks + 2

@@ -467,8 +467,10 @@ class PagedCache {
   /// that an entry or `tokens` names) by the one described; other sequences are untouched.
   /// A named sequence's previous blocks are released (as release() would); its leading blocks
   /// that are full in every layer, have their ids, and equal a block already indexed (same
-  /// prefix, same ids, as admit() would match) share that block, their K/V rows in the entries
-  /// unread; fresh blocks are taken from the pool for the rest of the positions of its longest
+  /// prefix, same ids, as admit() would match) or one of a sequence named before it (lower
+  /// index) in the same call share that block, their K/V rows in the entries unread (so
+  /// sequences that shared a prefix when saved share it again, in a pool of the same size);
+  /// fresh blocks are taken from the pool for the rest of the positions of its longest
   /// restored layer and the K/V rows copied in; its ids are registered (those `tokens` gives it;
   /// none if it gives none), and a layer without an entry is left empty. Ids may run ahead of
   /// the K/V (as after admit()). Then the normal commit path runs, as after append() and
@@ -478,15 +480,17 @@ class PagedCache {
   /// prefix hits in another, and restoring a prefix the pool caches already costs no blocks.
   ///
   /// Blocks: the named sequences need the sum over them of ceil(longest restored layer /
-  /// block_size) blocks less those shared. Available are the free blocks plus those the replaced
-  /// sequences would free (held by no other sequence and not indexed), and with evict_when_full
-  /// also the cached blocks plus the indexed ones the replaced sequences would leave cached,
-  /// less those shared (counted exactly: each block's references from the named sequences
-  /// against its reference count).
+  /// block_size) blocks less those shared (with the index or an earlier named sequence). Available
+  /// are the free blocks plus those the replaced sequences would free (held by no other sequence
+  /// and not indexed), and with evict_when_full also the cached blocks plus the indexed ones the
+  /// replaced sequences would leave cached, less those shared (counted exactly: each block's
+  /// references from the named sequences against its reference count).
   ///
-  /// Allocates validation scratch: O(num_layers * max_batch) plus the ids of the blocks the named
-  /// sequences hold. O(elements of the entries + num_layers * max_batch + H log H) for the H
-  /// blocks the named sequences held, plus O(block_size) per block committed.
+  /// Allocates scratch: O(num_layers * max_batch + max_seq_len / block_size), the ids of the
+  /// blocks the named sequences hold, and a scratch index of the committable blocks (their ids
+  /// copied). O(elements of the entries + num_layers * max_batch + H log H + I) for the H blocks
+  /// the named sequences held and the I ids they are given, plus O(block_size) per block
+  /// committed.
   /// @pre no other thread operates on a named sequence during the call (see Thread safety);
   ///      the entries' K/V and the ids do not alias this cache's storage.
   /// @post view(e.layer, e.seq) reports e.length and holds e.k / e.v for each entry e;
@@ -556,16 +560,45 @@ class PagedCache {
       held.insert(held.end(), table_of(q), table_of(q) + seqs_[q].num_blocks);
     }
     std::sort(held.begin(), held.end());
+    // Leading blocks a named sequence has in common (same ids from the start) with one named
+    // before it: that one's commit() indexes them, so this one shares them instead of copying
+    // them. Found with a scratch index over the committable blocks, sequences in order: the
+    // first dup[q] blocks of q are those of sequence dup_of[q].
+    std::vector<std::size_t> dup(max_batch_, 0), dup_of(max_batch_, 0);
+    if (most_shared != 0) {
+      PrefixIndex<Hasher> scratch(most_shared, block_size_, shared_->index.hasher());
+      std::vector<std::size_t> owner;  // scratch block -> the sequence whose block it stands for
+      owner.reserve(most_shared);
+      std::vector<block_id> path(max_blocks_per_seq_);
+      for (std::size_t q = 0; q < max_batch_; ++q) {
+        if (committable[q] == 0) continue;
+        const std::span<const token_id> ids(ids_of[q]->ids);
+        const std::size_t m = scratch.match(ids.first(committable[q] * block_size_),
+                                            std::span<block_id>(path).first(committable[q]));
+        if (m != 0) {
+          dup[q] = m;
+          dup_of[q] = owner[path[m - 1]];  // its table holds the whole chain
+        }
+        for (std::size_t i = m; i < committable[q]; ++i) {
+          path[i] = static_cast<block_id>(owner.size());
+          owner.push_back(q);
+          scratch.insert(path[i], i == 0 ? kNoBlock : path[i - 1],
+                         ids.subspan(i * block_size_, block_size_));
+        }
+      }
+    }
     // Indexed blocks equal to a named sequence's leading blocks (same prefix, same ids): shared
     // rather than filled with a copy that commit() would swap for them. [match_at[q], +
     // num_shared[q])
+    // Then the leading lead[q] = max(num_shared[q], dup[q]) blocks of q are not taken fresh.
     std::vector<block_id> matched(most_shared), pinned;
-    std::vector<std::size_t> match_at(max_batch_, 0), num_shared(max_batch_, 0);
+    std::vector<std::size_t> match_at(max_batch_, 0), num_shared(max_batch_, 0),
+        lead(max_batch_, 0);
     pinned.reserve(most_shared);
     {
       std::lock_guard lock(shared_->mutex);
       BlockPool& pool = shared_->pool;
-      std::size_t needed = 0, num_matched = 0;
+      std::size_t needed = 0, num_matched = 0, num_dup = 0;
       for (std::size_t q = 0; q < max_batch_; ++q) {
         if (!named[q]) continue;
         match_at[q] = num_matched;
@@ -575,7 +608,9 @@ class PagedCache {
               std::span<block_id>(matched).subspan(num_matched, committable[q]));
           num_matched += num_shared[q];
         }
-        needed += blocks[q] - num_shared[q];
+        lead[q] = std::max(num_shared[q], dup[q]);
+        num_dup += lead[q] - num_shared[q];
+        needed += blocks[q] - lead[q];
       }
       std::size_t would_free = 0, would_cache = 0;  // what releasing the named sequences yields
       for (std::size_t i = 0, j = 0; i < held.size(); i = j) {
@@ -594,11 +629,11 @@ class PagedCache {
       const std::size_t free = pool.num_free() + would_free;
       const std::size_t cached = pool.num_cached() + would_cache - num_pinned;
       if (needed > free && !(evict_when_full_ && needed <= free + cached)) {
-        throw_exhausted(detail::message(kName, ": restore of ", num_named, " sequences"), needed,
-                        free, cached,
-                        detail::message(", counting the ", would_free + would_cache,
-                                        " blocks only the replaced sequences hold and sharing ",
-                                        num_matched, " already cached"));
+        throw_exhausted(
+            detail::message(kName, ": restore of ", num_named, " sequences"), needed, free, cached,
+            detail::message(", counting the ", would_free + would_cache,
+                            " blocks only the replaced sequences hold, sharing ", num_matched,
+                            " already cached and ", num_dup, " between the restored sequences"));
       }
       for (std::size_t i = 0; i < num_matched; ++i) pool.acquire(matched[i]);
       for (std::size_t q = 0; q < max_batch_; ++q) {
@@ -611,17 +646,19 @@ class PagedCache {
         block_id* table = table_of(q);
         std::copy_n(matched.begin() + static_cast<std::ptrdiff_t>(match_at[q]), num_shared[q],
                     table);
-        for (std::size_t i = num_shared[q]; i < blocks[q]; ++i) table[i] = pool.allocate();
+        std::fill(table + num_shared[q], table + lead[q], kNoBlock);  // set before commit(q)
+        for (std::size_t i = lead[q]; i < blocks[q]; ++i) table[i] = pool.allocate();
         seqs_[q].num_blocks = blocks[q];
       }
     }
     // The fresh blocks are this call's alone (held once, not indexed) until commit() below; the
-    // shared ones are indexed under this sequence's prefix already.
+    // shared ones are indexed under this sequence's prefix already, or will be when they are
+    // set, after the commit() of the sequence they come from.
     for (std::size_t q = 0; q < max_batch_; ++q) {
       if (!named[q]) continue;
       Sequence& s = seqs_[q];
       s.num_tokens = 0;
-      s.committed = num_shared[q];
+      s.committed = lead[q];
       if (ids_of[q] != nullptr) {
         std::ranges::copy(ids_of[q]->ids, table_tokens(q));
         s.num_tokens = ids_of[q]->ids.size();
@@ -635,7 +672,7 @@ class PagedCache {
       const std::size_t n = e.held();
       T* layer_base = storage_.data() + e.layer * layer_elems_;
       const block_id* table = table_of(e.seq);
-      for (std::size_t first = num_shared[e.seq] * block_size_; first < n; first += block_size_) {
+      for (std::size_t first = lead[e.seq] * block_size_; first < n; first += block_size_) {
         T* base = layer_base + std::size_t{table[first / block_size_]} * block_elems_;
         const std::size_t rows = std::min(block_size_, n - first);
         detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, rows, shape_);
@@ -643,8 +680,18 @@ class PagedCache {
                                  shape_);
       }
     }
-    for (std::size_t q = 0; q < max_batch_; ++q) {
-      if (named[q]) commit(q);
+    for (std::size_t q = 0; q < max_batch_; ++q) {  // in order: dup_of[q] < q is committed
+      if (!named[q]) continue;
+      if (lead[q] > num_shared[q]) {
+        std::lock_guard lock(shared_->mutex);
+        block_id* table = table_of(q);
+        const block_id* from = table_of(dup_of[q]);
+        for (std::size_t i = num_shared[q]; i < lead[q]; ++i) {
+          shared_->pool.acquire(from[i]);
+          table[i] = from[i];
+        }
+      }
+      commit(q);
     }
   }
 

@@ -85,6 +85,8 @@ class PrefixIndex {
   [[nodiscard]] std::size_t block_size() const noexcept { return block_size_; }
   /// Blocks indexed.
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// The hasher the index keys its blocks with.
+  [[nodiscard]] const Hasher& hasher() const noexcept { return hasher_; }
   [[nodiscard]] bool contains(block_id b) const noexcept { return member_[b] != 0; }
   /// @pre contains(b).
   [[nodiscard]] block_id parent(block_id b) const noexcept { return parent_[b]; }
