@@ -4,6 +4,7 @@
 // cached tokens (random data, odd sizes, GQA groups, windows, sinks, soft-caps, splits). Every
 // test skips with a message when no CUDA device is present.
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -34,11 +35,23 @@ using kvcache::test::Tolerance;
 
 namespace {
 
+// True when a CUDA device is present. Otherwise the test is skipped with CUDA's reason, or
+// fails when KVCACHE_REQUIRE_CUDA_DEVICE is 1 (scripts/gpu-check.sh sets it: on a GPU machine a
+// missing device, such as a driver older than the runtime, must not pass as a skip).
 bool have_device() {
   if (kcuda::device_count() > 0) return true;
-  WARN(
-      "skipped: no CUDA device (cudaGetDeviceCount found none); run scripts/gpu-check.sh on a "
-      "machine with a GPU");
+  int n = 0;
+  const cudaError_t why = cudaGetDeviceCount(&n);
+  (void)cudaGetLastError();
+  const std::string reason =
+      why == cudaSuccess ? std::string("cudaGetDeviceCount found none")
+                         : std::string(cudaGetErrorName(why)) + ": " + cudaGetErrorString(why);
+  const char* required = std::getenv("KVCACHE_REQUIRE_CUDA_DEVICE");
+  if (required != nullptr && std::string(required) == "1") {
+    FAIL("no CUDA device (" << reason << ") and KVCACHE_REQUIRE_CUDA_DEVICE=1");
+  }
+  WARN("skipped: no CUDA device (" << reason
+                                   << "); run scripts/gpu-check.sh on a machine with a GPU");
   return false;
 }
 
