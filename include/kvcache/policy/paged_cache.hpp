@@ -587,10 +587,10 @@ class PagedCache {
         }
       }
     }
-    // Indexed blocks equal to a named sequence's leading blocks (same prefix, same ids): shared
-    // rather than filled with a copy that commit() would swap for them. [match_at[q], +
-    // num_shared[q])
-    // Then the leading lead[q] = max(num_shared[q], dup[q]) blocks of q are not taken fresh.
+    // Indexed blocks equal to a named sequence's leading blocks (same prefix, same ids), shared
+    // rather than filled with a copy that commit() would swap for them: those of q are
+    // matched[match_at[q] ..] (num_shared[q] of them). The first lead[q] = max(num_shared[q],
+    // dup[q]) blocks of q are thus not taken fresh.
     std::vector<block_id> matched(most_shared), pinned;
     std::vector<std::size_t> match_at(max_batch_, 0), num_shared(max_batch_, 0),
         lead(max_batch_, 0);
