@@ -420,6 +420,46 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("random batches with shared prefixes reload into a pool of the same size") {
+  auto rng = kvcache::test::make_rng("snapshot-paged-batch-random");
+  for (int trial = 0; trial < 60; ++trial) {
+    const std::size_t bs = kvcache::test::uniform(rng, 1, 5);
+    const std::size_t seqs = kvcache::test::uniform(rng, 2, 6);
+    // prompts branching off a few stems at random points; some with ids ahead of their K/V
+    std::vector<std::vector<token_id>> stems;
+    for (int i = 0; i < 3; ++i) stems.push_back(kvcache::test::prompt_with_prefix(rng, {}, 30));
+    auto source = make_paged<float>(200, bs, seqs, false, 64);
+    for (std::size_t s = 0; s < seqs; ++s) {
+      const auto& stem = stems[kvcache::test::uniform(rng, 0, 2)];
+      const auto prompt =
+          kvcache::test::prompt_with_prefix(rng, stem, kvcache::test::uniform(rng, 1, 40), 3);
+      const std::size_t cached = source.admit(s, prompt);
+      const std::size_t rest = prompt.size() - cached;
+      const std::size_t run =
+          kvcache::test::uniform(rng, 0, 3) == 0 ? kvcache::test::uniform(rng, 0, rest) : rest;
+      kSynth.prefill(source, s, prompt, cached, run, 4);
+    }
+    if (kvcache::test::uniform(rng, 0, 1) == 0) source.release(0);  // some blocks cached
+    REQUIRE(source.check_consistency() == "");
+    const std::size_t used = source.stats().blocks_used;
+    const auto bytes = snapshot_to_bytes(source, kModel);
+    INFO("trial " << trial << " block_size " << bs << " sequences " << seqs << " used " << used);
+    auto dest = make_paged<float>(std::max<std::size_t>(used, 1), bs, seqs, false, 64);
+    load_snapshot_bytes(bytes, dest, kModel);
+    require_same_sequences(source, dest);  // it fit: no more blocks than the source used
+    for (std::size_t s = 0; s < seqs; ++s) {
+      const auto ids = ids_of(source, s);
+      if (dest.seq_length(s) != 0) {
+        kSynth.require_attention_matches(
+            dest, s, std::span<const token_id>(ids).first(dest.seq_length(s)), rng);
+      }
+    }
+    // loaded again over itself: the indexed blocks stay, the rest fit in what they free
+    load_snapshot_bytes(bytes, dest, kModel);
+    require_same_sequences(source, dest);
+  }
+}
+
 TEST_CASE("restoring a prefix the pool caches shares its blocks: only the rest needs room") {
   auto rng = kvcache::test::make_rng("snapshot-paged-shared");
   const auto system = kvcache::test::prompt_with_prefix(rng, {}, 22);  // 5 full blocks + 2

@@ -466,21 +466,21 @@ class PagedCache {
   /// Snapshot restore hook (load_snapshot() calls it): replaces every *named* sequence (one
   /// that an entry or `tokens` names) by the one described; other sequences are untouched.
   /// A named sequence's previous blocks are released (as release() would); its leading blocks
-  /// that are full in every layer, have their ids, and equal a block already indexed (same
-  /// prefix, same ids, as admit() would match) or one of a sequence named before it (lower
-  /// index) in the same call share that block, their K/V rows in the entries unread (so
-  /// sequences that shared a prefix when saved share it again, in a pool of the same size);
-  /// fresh blocks are taken from the pool for the rest of the positions of its longest
-  /// restored layer and the K/V rows copied in; its ids are registered (those `tokens` gives it;
-  /// none if it gives none), and a layer without an entry is left empty. Ids may run ahead of
-  /// the K/V (as after admit()). Then the normal commit path runs, as after append() and
-  /// add_tokens(): the fresh blocks that are full in every layer and have their ids are indexed.
-  /// So after a restore and release(seq), the restored prefix stays cached and a later admit()
-  /// of a prompt starting with those ids shares it: a prompt prefilled by one process serves
-  /// prefix hits in another, and restoring a prefix the pool caches already costs no blocks.
+  /// whose ids it has and that equal a block already indexed (same prefix, same ids, as
+  /// admit() would match, even where its K/V fill them only in part) or a block full in every
+  /// layer, with its ids, of another sequence named in the same call share that block,
+  /// their K/V rows in the entries unread (so sequences that shared a prefix when saved share
+  /// it again, in a pool of the same size); fresh blocks are taken from the pool for the rest of
+  /// the positions of its longest restored layer and the K/V rows copied in; its ids are registered
+  /// (those `tokens` gives it; none if it gives none), and a layer without an entry is left empty.
+  /// Ids may run ahead of the K/V (as after admit()). Then the normal commit path runs, as after
+  /// append() and add_tokens(): the fresh blocks that are full in every layer and have their ids
+  /// are indexed. So after a restore and release(seq), the restored prefix stays cached and a later
+  /// admit() of a prompt starting with those ids shares it: a prompt prefilled by one process
+  /// serves prefix hits in another, and restoring a prefix the pool caches already costs no blocks.
   ///
   /// Blocks: the named sequences need the sum over them of ceil(longest restored layer /
-  /// block_size) blocks less those shared (with the index or an earlier named sequence). Available
+  /// block_size) blocks less those shared (with the index or another named sequence). Available
   /// are the free blocks plus those the replaced sequences would free (held by no other sequence
   /// and not indexed), and with evict_when_full also the cached blocks plus the indexed ones the
   /// replaced sequences would leave cached, less those shared (counted exactly: each block's
@@ -540,11 +540,13 @@ class PagedCache {
       ids_of[t.seq] = &t;
       named[t.seq] = true;
     }
-    // Blocks per named sequence; the leading ones that commit() could index (full in every
-    // layer, ids registered), which may already be indexed; and the blocks the named sequences
-    // hold now (sorted, so that each block's references from them can be counted).
-    std::vector<std::size_t> blocks(max_batch_, 0), committable(max_batch_, 0);
-    std::size_t num_named = 0, most_shared = 0;
+    // Per named sequence: its blocks; the leading ones its ids cover (shareable with an equal
+    // indexed block, as admit() shares them, whether or not its K/V fill them); of those, the
+    // ones that commit() will index (committable: full in every layer too). And the blocks the
+    // named sequences hold now (sorted, so that each block's references can be counted).
+    std::vector<std::size_t> blocks(max_batch_, 0), shareable(max_batch_, 0),
+        committable(max_batch_, 0), at(max_batch_, 0);
+    std::size_t num_named = 0, most_shared = 0, most_committed = 0;
     std::vector<block_id> held;
     for (std::size_t q = 0; q < max_batch_; ++q) {
       if (!named[q]) continue;
@@ -552,48 +554,57 @@ class PagedCache {
       const auto last = first + static_cast<std::ptrdiff_t>(num_layers);
       blocks[q] = (*std::max_element(first, last) + block_size_ - 1) / block_size_;
       if (prefix_caching_ && ids_of[q] != nullptr) {
+        shareable[q] = std::min(ids_of[q]->ids.size() / block_size_, blocks[q]);
         committable[q] =
             std::min(*std::min_element(first, last), ids_of[q]->ids.size()) / block_size_;
-        most_shared += committable[q];
+        at[q] = most_shared;
+        most_shared += shareable[q];
+        most_committed += committable[q];
       }
       ++num_named;
       held.insert(held.end(), table_of(q), table_of(q) + seqs_[q].num_blocks);
     }
     std::sort(held.begin(), held.end());
-    // Leading blocks a named sequence has in common (same ids from the start) with one named
-    // before it: that one's commit() indexes them, so this one shares them instead of copying
-    // them. Found with a scratch index over the committable blocks, sequences in order: the
-    // first dup[q] blocks of q are those of sequence dup_of[q].
-    std::vector<std::size_t> dup(max_batch_, 0), dup_of(max_batch_, 0);
-    if (most_shared != 0) {
-      PrefixIndex<Hasher> scratch(most_shared, block_size_, shared_->index.hasher());
-      std::vector<std::size_t> owner;  // scratch block -> the sequence whose block it stands for
-      owner.reserve(most_shared);
+    // The blocks the named sequences will index, once each: a scratch index of their
+    // committable blocks, each inserted by the first sequence (in order) that has it, whose
+    // fresh block it will be. Every other sequence whose ids reach it shares that block. Along
+    // one sequence's blocks the first holders never decrease, so sequence q's shareable blocks
+    // run: [0, num_shared) indexed already; [num_shared, head_end) from earlier sequences;
+    // [head_end, own_end) its own fresh ones (up to committable); [own_end, tail_end) from any
+    // sequence (blocks its K/V fill only in part); [tail_end, blocks) fresh again.
+    std::vector<std::size_t> head_end(max_batch_, 0), own_end(max_batch_, 0),
+        tail_end(max_batch_, 0), first_holder(most_shared, 0);
+    if (most_committed != 0) {
+      PrefixIndex<Hasher> scratch(most_committed, block_size_, shared_->index.hasher());
+      std::vector<std::size_t> holder;  // scratch block -> the sequence that inserted it
+      holder.reserve(most_committed);
       std::vector<block_id> path(max_blocks_per_seq_);
       for (std::size_t q = 0; q < max_batch_; ++q) {
         if (committable[q] == 0) continue;
         const std::span<const token_id> ids(ids_of[q]->ids);
         const std::size_t m = scratch.match(ids.first(committable[q] * block_size_),
                                             std::span<block_id>(path).first(committable[q]));
-        if (m != 0) {
-          dup[q] = m;
-          dup_of[q] = owner[path[m - 1]];  // its table holds the whole chain
-        }
+        head_end[q] = m;
         for (std::size_t i = m; i < committable[q]; ++i) {
-          path[i] = static_cast<block_id>(owner.size());
-          owner.push_back(q);
+          path[i] = static_cast<block_id>(holder.size());
+          holder.push_back(q);
           scratch.insert(path[i], i == 0 ? kNoBlock : path[i - 1],
                          ids.subspan(i * block_size_, block_size_));
         }
       }
+      for (std::size_t q = 0; q < max_batch_; ++q) {
+        if (shareable[q] == 0) continue;
+        const std::size_t m = scratch.match(
+            std::span<const token_id>(ids_of[q]->ids).first(shareable[q] * block_size_),
+            std::span<block_id>(path).first(shareable[q]));
+        for (std::size_t i = 0; i < m; ++i) first_holder[at[q] + i] = holder[path[i]];
+        tail_end[q] = m;
+      }
     }
     // Indexed blocks equal to a named sequence's leading blocks (same prefix, same ids), shared
-    // rather than filled with a copy that commit() would swap for them: those of q are
-    // matched[match_at[q] ..] (num_shared[q] of them). The first lead[q] = max(num_shared[q],
-    // dup[q]) blocks of q are thus not taken fresh.
+    // rather than filled with a copy: those of q are matched[at[q] ..], num_shared[q] of them.
     std::vector<block_id> matched(most_shared), pinned;
-    std::vector<std::size_t> match_at(max_batch_, 0), num_shared(max_batch_, 0),
-        lead(max_batch_, 0);
+    std::vector<std::size_t> num_shared(max_batch_, 0);
     pinned.reserve(most_shared);
     {
       std::lock_guard lock(shared_->mutex);
@@ -601,16 +612,18 @@ class PagedCache {
       std::size_t needed = 0, num_matched = 0, num_dup = 0;
       for (std::size_t q = 0; q < max_batch_; ++q) {
         if (!named[q]) continue;
-        match_at[q] = num_matched;
-        if (committable[q] != 0) {
+        if (shareable[q] != 0) {
           num_shared[q] = shared_->index.match(
-              std::span<const token_id>(ids_of[q]->ids).first(committable[q] * block_size_),
-              std::span<block_id>(matched).subspan(num_matched, committable[q]));
+              std::span<const token_id>(ids_of[q]->ids).first(shareable[q] * block_size_),
+              std::span<block_id>(matched).subspan(at[q], shareable[q]));
           num_matched += num_shared[q];
         }
-        lead[q] = std::max(num_shared[q], dup[q]);
-        num_dup += lead[q] - num_shared[q];
-        needed += blocks[q] - lead[q];
+        // A block the index has is that one for every sequence reaching it.
+        head_end[q] = std::max(head_end[q], num_shared[q]);
+        own_end[q] = std::max(head_end[q], committable[q]);
+        tail_end[q] = std::max(tail_end[q], own_end[q]);
+        num_dup += (head_end[q] - num_shared[q]) + (tail_end[q] - own_end[q]);
+        needed += (own_end[q] - head_end[q]) + (blocks[q] - tail_end[q]);
       }
       std::size_t would_free = 0, would_cache = 0;  // what releasing the named sequences yields
       for (std::size_t i = 0, j = 0; i < held.size(); i = j) {
@@ -618,7 +631,10 @@ class PagedCache {
         if (pool.ref_count(held[i]) == j - i) ++(pool.indexed(held[i]) ? would_cache : would_free);
       }
       // Shared blocks that are, or would be left, cached stay held: not evictable.
-      pinned.assign(matched.begin(), matched.begin() + static_cast<std::ptrdiff_t>(num_matched));
+      for (std::size_t q = 0; q < max_batch_; ++q) {
+        const auto from = matched.begin() + static_cast<std::ptrdiff_t>(at[q]);
+        pinned.insert(pinned.end(), from, from + static_cast<std::ptrdiff_t>(num_shared[q]));
+      }
       std::sort(pinned.begin(), pinned.end());
       pinned.erase(std::unique(pinned.begin(), pinned.end()), pinned.end());
       std::size_t num_pinned = 0;
@@ -635,7 +651,9 @@ class PagedCache {
                             " blocks only the replaced sequences hold, sharing ", num_matched,
                             " already cached and ", num_dup, " between the restored sequences"));
       }
-      for (std::size_t i = 0; i < num_matched; ++i) pool.acquire(matched[i]);
+      for (std::size_t q = 0; q < max_batch_; ++q) {
+        for (std::size_t i = 0; i < num_shared[q]; ++i) pool.acquire(matched[at[q] + i]);
+      }
       for (std::size_t q = 0; q < max_batch_; ++q) {
         if (named[q]) release_blocks_locked(q, 0);
       }
@@ -644,21 +662,20 @@ class PagedCache {
       for (std::size_t q = 0; q < max_batch_; ++q) {
         if (!named[q]) continue;
         block_id* table = table_of(q);
-        std::copy_n(matched.begin() + static_cast<std::ptrdiff_t>(match_at[q]), num_shared[q],
-                    table);
-        std::fill(table + num_shared[q], table + lead[q], kNoBlock);  // set before commit(q)
-        for (std::size_t i = lead[q]; i < blocks[q]; ++i) table[i] = pool.allocate();
+        std::copy_n(matched.begin() + static_cast<std::ptrdiff_t>(at[q]), num_shared[q], table);
+        std::fill(table + num_shared[q], table + head_end[q], kNoBlock);  // set below
+        for (std::size_t i = head_end[q]; i < own_end[q]; ++i) table[i] = pool.allocate();
+        std::fill(table + own_end[q], table + tail_end[q], kNoBlock);  // set below
+        for (std::size_t i = tail_end[q]; i < blocks[q]; ++i) table[i] = pool.allocate();
         seqs_[q].num_blocks = blocks[q];
       }
     }
-    // The fresh blocks are this call's alone (held once, not indexed) until commit() below; the
-    // shared ones are indexed under this sequence's prefix already, or will be when they are
-    // set, after the commit() of the sequence they come from.
+    // The fresh blocks are this call's alone (held once, not indexed) until commit() below.
     for (std::size_t q = 0; q < max_batch_; ++q) {
       if (!named[q]) continue;
       Sequence& s = seqs_[q];
       s.num_tokens = 0;
-      s.committed = lead[q];
+      s.committed = std::min(head_end[q], committable[q]);  // not a block its K/V fill in part
       if (ids_of[q] != nullptr) {
         std::ranges::copy(ids_of[q]->ids, table_tokens(q));
         s.num_tokens = ids_of[q]->ids.size();
@@ -672,26 +689,37 @@ class PagedCache {
       const std::size_t n = e.held();
       T* layer_base = storage_.data() + e.layer * layer_elems_;
       const block_id* table = table_of(e.seq);
-      for (std::size_t first = lead[e.seq] * block_size_; first < n; first += block_size_) {
-        T* base = layer_base + std::size_t{table[first / block_size_]} * block_elems_;
+      for (std::size_t i = head_end[e.seq]; i * block_size_ < n; ++i) {
+        if (i == own_end[e.seq]) i = tail_end[e.seq];  // shared: rows already there
+        const std::size_t first = i * block_size_;
+        if (first >= n) break;
+        T* base = layer_base + std::size_t{table[i]} * block_elems_;
         const std::size_t rows = std::min(block_size_, n - first);
         detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, rows, shape_);
         detail::copy_packed_rows(base + v_offset, head_elems, 0, e.v.data(), n, first, rows,
                                  shape_);
       }
     }
-    for (std::size_t q = 0; q < max_batch_; ++q) {  // in order: dup_of[q] < q is committed
-      if (!named[q]) continue;
-      if (lead[q] > num_shared[q]) {
-        std::lock_guard lock(shared_->mutex);
-        block_id* table = table_of(q);
-        const block_id* from = table_of(dup_of[q]);
-        for (std::size_t i = num_shared[q]; i < lead[q]; ++i) {
-          shared_->pool.acquire(from[i]);
-          table[i] = from[i];
-        }
+    // Sequences in order: the first holder of a block q shares at positions below head_end[q]
+    // is an earlier one, whose commit() has indexed it; a block past own_end[q] may come from
+    // any sequence, so those are set once every commit() has run.
+    const auto share = [&](std::size_t q, std::size_t begin, std::size_t end) {
+      if (begin == end) return;
+      std::lock_guard lock(shared_->mutex);
+      block_id* table = table_of(q);
+      for (std::size_t i = begin; i < end; ++i) {
+        const block_id b = table_of(first_holder[at[q] + i])[i];
+        shared_->pool.acquire(b);
+        table[i] = b;
       }
+    };
+    for (std::size_t q = 0; q < max_batch_; ++q) {
+      if (!named[q]) continue;
+      share(q, num_shared[q], head_end[q]);
       commit(q);
+    }
+    for (std::size_t q = 0; q < max_batch_; ++q) {
+      if (named[q]) share(q, own_end[q], tail_end[q]);
     }
   }
 
