@@ -139,7 +139,7 @@ DecodeResult decode(kcuda::Layout layout, int context) {
   const double bytes = 2.0 * kBatch * static_cast<double>(context) * kKvHeads * kDim * sizeof(half);
   // the launch's shape, for reading the figure: splits per sequence and resident blocks
   const auto plan = kcuda::detail::plan_decode(b.setup, kBatch, kKvHeads, b.cache.view(0).max_keys);
-  return {bytes / (ms * 1e-3), ms, plan.splits, plan.blocks_per_sm, plan.smem_bytes};
+  return {bytes / (ms * 1e-3), ms, plan.splits, b.setup.blocks_per_sm, b.setup.smem_bytes};
 }
 
 /// Host microseconds to issue one launch (100 issued back to back, then synchronised).

@@ -93,9 +93,9 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
   const std::int64_t max_keys = detail::decode_keys(view.max_keys, opts);
   detail::dispatch_head_dim(view.head_dim, [&](auto d) {
     constexpr int D = decltype(d)::value;
+    const DecodeSetup sized = setup != nullptr ? *setup : detail::query_decode_setup<T, D>(group);
     const detail::DecodePlan plan =
-        detail::plan_decode(setup != nullptr ? *setup : detail::query_decode_setup<T, D>(group),
-                            view.num_seqs, view.num_kv_heads, max_keys);
+        detail::plan_decode(sized, view.num_seqs, view.num_kv_heads, max_keys);
     const std::size_t need = plan.workspace_bytes(view.num_seqs, num_q_heads, D);
     if (workspace_bytes < need || (need > 0 && workspace == nullptr)) {
       throw shape_error(kvcache::detail::message(
@@ -109,7 +109,7 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
     const dim3 grid(static_cast<unsigned>(plan.splits),
                     static_cast<unsigned>(view.num_kv_heads * plan.num_chunks),
                     static_cast<unsigned>(view.num_seqs));
-    detail::decode_attention_kernel<T, D><<<grid, kDecodeThreads, plan.smem_bytes, stream>>>(
+    detail::decode_attention_kernel<T, D><<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(
         view, q, out, partial_acc, partial_ml, num_q_heads, plan.chunk_group, plan.splits,
         plan.keys_per_split, detail::device_mask(opts), scale, opts.softcap);
     check_launch("kvcache::cuda::decode_attention_kernel");

@@ -399,8 +399,6 @@ struct DecodePlan {
   int num_chunks = 1;               ///< blocks per KV head (ceil(group / kMaxGroup))
   int splits = 1;                   ///< blocks along each sequence's keys
   std::int64_t keys_per_split = 0;  ///< a multiple of kDecodeTile; splits x it >= max_keys
-  std::size_t smem_bytes = 0;       ///< dynamic shared memory per block
-  int blocks_per_sm = 0;            ///< resident blocks per multiprocessor at that smem (>= 1)
 
   /// Partials of every split (0 for one split: the kernel writes the output directly).
   [[nodiscard]] std::size_t workspace_bytes(int num_seqs, int num_q_heads, int head_dim) const {
@@ -526,14 +524,12 @@ void check_setup(const DecodeSetup& setup, int head_dim, int group, const char* 
   }
 }
 
-/// The plan of one launch from a setup: host arithmetic only, no CUDA call.
+/// The plan of one launch from a setup (which also gives its shared memory): host arithmetic
+/// only, no CUDA call.
 inline DecodePlan plan_decode(const DecodeSetup& setup, int num_seqs, int num_kv_heads,
                               std::int64_t max_keys) {
   const std::int64_t slots = static_cast<std::int64_t>(setup.num_sms) * setup.blocks_per_sm;
-  DecodePlan p = plan_decode_grid(num_seqs, setup.group, num_kv_heads, max_keys, slots);
-  p.smem_bytes = setup.smem_bytes;
-  p.blocks_per_sm = setup.blocks_per_sm;
-  return p;
+  return plan_decode_grid(num_seqs, setup.group, num_kv_heads, max_keys, slots);
 }
 
 }  // namespace detail
