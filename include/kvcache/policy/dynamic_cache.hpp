@@ -88,7 +88,7 @@ class DynamicCache {
                                            " layer ", layer, " exceeds max_seq_len ", max_seq_len_,
                                            " (holds ", slot.length, ")"));
     }
-    const std::size_t need = (slot.length + n + chunk_len_ - 1) / chunk_len_;
+    const std::size_t need = chunks_for(slot.length + n);
     if (need > slot.chunks.size()) {
       const std::size_t missing = need - slot.chunks.size();
       const std::size_t reused = std::min(missing, spare_.size());
@@ -193,7 +193,7 @@ class DynamicCache {
                                              " layer ", e.layer, " holds ", e.length,
                                              " tokens, more than max_seq_len ", max_seq_len_));
       }
-      needed += (e.held() + chunk_len_ - 1) / chunk_len_;
+      needed += chunks_for(e.held());
       released += slots_[e.layer * max_batch_ + e.seq].chunks.size();
     }
     // Everything that can throw, aside: the shortfall's allocations, room in the spare list for
@@ -204,7 +204,7 @@ class DynamicCache {
     for (std::size_t i = reusable; i < needed; ++i) grown.emplace_back(chunk_elems_);
     spare_.reserve(spare_.size() + released + grown.size());
     for (const LayerRestore<T>& e : entries) {
-      slots_[e.layer * max_batch_ + e.seq].chunks.reserve((e.held() + chunk_len_ - 1) / chunk_len_);
+      slots_[e.layer * max_batch_ + e.seq].chunks.reserve(chunks_for(e.held()));
     }
     // Commit: within the reserves, nothing below throws.
     allocated_bytes_ += grown.size() * chunk_bytes();
@@ -251,11 +251,15 @@ class DynamicCache {
   }
 
   [[nodiscard]] std::size_t chunk_bytes() const noexcept { return chunk_elems_ * sizeof(T); }
+  /// Chunks that hold n tokens.
+  [[nodiscard]] std::size_t chunks_for(std::size_t n) const noexcept {
+    return (n + chunk_len_ - 1) / chunk_len_;
+  }
 
   /// Cuts every layer of `seq` to at most n tokens. The spare list grows first (the only step
   /// that can throw), then chunks move into it or are freed.
   void release(std::size_t seq, std::size_t n) {
-    const std::size_t keep = (n + chunk_len_ - 1) / chunk_len_;
+    const std::size_t keep = chunks_for(n);
     std::size_t emptied = 0;
     for (std::size_t l = 0; l < shape_.num_layers; ++l) {
       const Slot& slot = slots_[l * max_batch_ + seq];
