@@ -685,20 +685,21 @@ class PagedCache {
     }
     const std::size_t head_elems = block_size_ * shape_.head_dim;
     const std::size_t v_offset = shape_.num_kv_heads * head_elems;
-    for (const LayerRestore<T>& e : entries) {
+    for (const LayerRestore<T>& e : entries) {  // into the fresh blocks only
       const std::size_t n = e.held();
       T* layer_base = storage_.data() + e.layer * layer_elems_;
       const block_id* table = table_of(e.seq);
-      for (std::size_t i = head_end[e.seq]; i * block_size_ < n; ++i) {
-        if (i == own_end[e.seq]) i = tail_end[e.seq];  // shared: rows already there
-        const std::size_t first = i * block_size_;
-        if (first >= n) break;
-        T* base = layer_base + std::size_t{table[i]} * block_elems_;
-        const std::size_t rows = std::min(block_size_, n - first);
-        detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, rows, shape_);
-        detail::copy_packed_rows(base + v_offset, head_elems, 0, e.v.data(), n, first, rows,
-                                 shape_);
-      }
+      const auto copy_blocks = [&](std::size_t begin, std::size_t end) {
+        for (std::size_t i = begin; i < end && i * block_size_ < n; ++i) {
+          T* base = layer_base + std::size_t{table[i]} * block_elems_;
+          const std::size_t first = i * block_size_, rows = std::min(block_size_, n - first);
+          detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, rows, shape_);
+          detail::copy_packed_rows(base + v_offset, head_elems, 0, e.v.data(), n, first, rows,
+                                   shape_);
+        }
+      };
+      copy_blocks(head_end[e.seq], own_end[e.seq]);
+      copy_blocks(tail_end[e.seq], blocks[e.seq]);
     }
     // Sequences in order: the first holder of a block q shares at positions below head_end[q]
     // is an earlier one, whose commit() has indexed it; a block past own_end[q] may come from
