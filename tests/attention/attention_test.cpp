@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// Attention: the reference against hand-computed values, and the fast CPU kernel (portable and
-// AVX2 micro-kernels, serial and threaded) against the reference over random shapes and options.
+// Attention: the reference against hand-computed values, and the fast CPU kernel (portable, AVX2
+// and AVX-512 micro-kernels, serial and threaded) against the reference over random shapes and
+// options.
 #include <cmath>
+#include <span>
 #include <vector>
 
 #include "kvcache/kvcache.hpp"
 #include "support/cache_helpers.hpp"
 #include "support/catch.hpp"
+#include "support/kernels.hpp"
 #include "support/rng.hpp"
 #include "support/throws.hpp"
 #include "support/tolerance.hpp"
@@ -68,15 +71,19 @@ struct RandomCase {
   AttentionOptions opts;
 };
 
-RandomCase random_case(std::mt19937_64& rng, bool simd_dims) {
+// Head dims for each kernel: any, multiples of 8 (AVX2), multiples of 16 with every remainder of
+// the AVX-512 kernel's 64-column passes (AVX-512).
+constexpr std::size_t kOddDims[] = {1, 3, 7, 13, 64, 100};
+constexpr std::size_t kAvx2Dims[] = {8, 16, 24, 64, 96, 128, 256};
+constexpr std::size_t kAvx512Dims[] = {16, 32, 48, 64, 80, 112, 128, 256};
+
+RandomCase random_case(std::mt19937_64& rng, std::span<const std::size_t> dims) {
   using kvcache::test::uniform;
-  static const std::size_t kSimdDims[] = {8, 16, 24, 64, 96, 128, 256};
-  static const std::size_t kOddDims[] = {1, 3, 7, 13, 64, 100};
   static const std::size_t kGroups[] = {1, 2, 3, 4, 5, 8, 16, 20};
   RandomCase c{};
   c.kv_heads = uniform(rng, 1, 4);
   c.group = kGroups[uniform(rng, 0, 7)];
-  c.dim = simd_dims ? kSimdDims[uniform(rng, 0, 6)] : kOddDims[uniform(rng, 0, 5)];
+  c.dim = dims[uniform(rng, 0, dims.size() - 1)];
   c.context = uniform(rng, 1, 300);
   c.queries = uniform(rng, 1, std::min<std::size_t>(c.context, 40));
   switch (uniform(rng, 0, 4)) {
@@ -101,10 +108,11 @@ RandomCase random_case(std::mt19937_64& rng, bool simd_dims) {
 }
 
 template <Element T>
-void fast_matches_reference(cpu::Kernel kernel, bool simd_dims, const char* name) {
+void fast_matches_reference(cpu::Kernel kernel, std::span<const std::size_t> dims,
+                            const char* name) {
   auto rng = kvcache::test::make_rng(name);
   for (int iter = 0; iter < 60; ++iter) {
-    const RandomCase c = random_case(rng, simd_dims);
+    const RandomCase c = random_case(rng, dims);
     const std::size_t q_heads = c.kv_heads * c.group;
     StaticCache<T> cache({.num_layers = 1,
                           .num_kv_heads = c.kv_heads,
@@ -131,8 +139,8 @@ void fast_matches_reference(cpu::Kernel kernel, bool simd_dims, const char* name
 
 TEMPLATE_TEST_CASE("portable kernel equals the reference over random shapes and options", "", float,
                    half, bfloat16) {
-  fast_matches_reference<TestType>(cpu::Kernel::portable, false, "portable-odd-dims");
-  fast_matches_reference<TestType>(cpu::Kernel::portable, true, "portable-simd-dims");
+  fast_matches_reference<TestType>(cpu::Kernel::portable, kOddDims, "portable-odd-dims");
+  fast_matches_reference<TestType>(cpu::Kernel::portable, kAvx2Dims, "portable-simd-dims");
 }
 
 TEMPLATE_TEST_CASE("AVX2 kernel equals the reference over random shapes and options", "", float,
@@ -141,10 +149,40 @@ TEMPLATE_TEST_CASE("AVX2 kernel equals the reference over random shapes and opti
     WARN("skipped: this CPU lacks AVX2+FMA+F16C");
     return;
   }
-  fast_matches_reference<TestType>(cpu::Kernel::avx2, true, "avx2");
+  fast_matches_reference<TestType>(cpu::Kernel::avx2, kAvx2Dims, "avx2");
 }
 
-TEST_CASE("automatic kernel choice falls back to portable for head_dim not a multiple of 8") {
+TEMPLATE_TEST_CASE("AVX-512 kernel equals the reference over random shapes and options", "", float,
+                   half, bfloat16) {
+  if (!cpu::avx512_supported(16)) {
+    WARN("skipped: this CPU lacks AVX-512F");
+    return;
+  }
+  fast_matches_reference<TestType>(cpu::Kernel::avx512, kAvx512Dims, "avx512");
+}
+
+TEST_CASE("the automatic kernel is the widest one the CPU and head_dim allow, bit for bit") {
+  auto rng = kvcache::test::make_rng("automatic-kernel");
+  for (std::size_t dim : {std::size_t{12}, std::size_t{24}, std::size_t{64}}) {
+    StaticCache<half> cache(
+        {.num_layers = 1, .num_kv_heads = 2, .head_dim = dim, .max_seq_len = 70});
+    const auto kv = kvcache::test::random_kv(rng, 70, 2, dim);
+    cache.append(0, 0, kv.k_block(0, 70), kv.v_block(0, 70));
+    const auto q = kvcache::test::normal_floats(rng, 3 * 8 * dim);
+    const auto run = [&](cpu::Kernel kernel) {
+      std::vector<float> out(q.size());
+      cpu::attend({q, 3, 8, dim}, cache.view(0, 0), {out, 3, 8, dim}, {}, kernel);
+      return out;
+    };
+    const cpu::Kernel widest = kvcache::test::cpu_kernels(dim).back();
+    INFO("head_dim " << dim << ": expecting " << kvcache::test::kernel_name(widest));
+    REQUIRE(run(cpu::Kernel::automatic) == run(widest));
+  }
+}
+
+TEST_CASE(
+    "automatic kernel choice falls back to portable for head_dim not a multiple of 8, and "
+    "an explicit kernel the head_dim does not allow throws") {
   StaticCache<float> cache({.num_layers = 1, .num_kv_heads = 1, .head_dim = 5, .max_seq_len = 4});
   std::vector<float> k(20, 0.5f), v(20, 1.0f), q(5, 1.0f), out(5);
   cache.append(0, 0, TokenBlock<const float>{k, 4, 1, 5}, TokenBlock<const float>{v, 4, 1, 5});
@@ -155,6 +193,14 @@ TEST_CASE("automatic kernel choice falls back to portable for head_dim not a mul
         cpu::attend({q, 1, 1, 5}, cache.view(0, 0), {out, 1, 1, 5}, {}, cpu::Kernel::avx2);
       },
       "avx2", "multiple of 8");
+  StaticCache<float> eight({.num_layers = 1, .num_kv_heads = 1, .head_dim = 8, .max_seq_len = 4});
+  std::vector<float> k8(32, 0.5f), q8(8, 1.0f), out8(8);
+  eight.append(0, 0, TokenBlock<const float>{k8, 4, 1, 8}, TokenBlock<const float>{k8, 4, 1, 8});
+  kvcache::test::require_throws<shape_error>(
+      [&] {
+        cpu::attend({q8, 1, 1, 8}, eight.view(0, 0), {out8, 1, 1, 8}, {}, cpu::Kernel::avx512);
+      },
+      "avx512", "multiple of 16");
 }
 
 TEST_CASE("threaded attention is bitwise equal to serial attention") {

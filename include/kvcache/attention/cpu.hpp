@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvcache/attention/cpu_avx2.hpp"
+#include "kvcache/attention/cpu_avx512.hpp"
 #include "kvcache/attention/options.hpp"
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
@@ -36,9 +37,10 @@ inline constexpr std::size_t kPrefetchTiles = 4;
 
 /// Which implementation of the micro-kernels to run.
 enum class Kernel {
-  automatic,  ///< AVX2 where the CPU has AVX2+FMA+F16C and head_dim % 8 == 0, else portable
+  automatic,  ///< the first of avx512, avx2, portable that the CPU and head_dim allow
   portable,   ///< plain C++ loops
-  avx2,       ///< AVX2+FMA+F16C intrinsics (shape_error where unavailable)
+  avx2,       ///< AVX2+FMA+F16C intrinsics, head_dim % 8 == 0 (shape_error where unavailable)
+  avx512,     ///< AVX-512F intrinsics, head_dim % 16 == 0 (shape_error where unavailable)
 };
 
 namespace detail {
@@ -377,11 +379,25 @@ void run_tasks(std::span<const AttentionTask<V>> tasks, std::span<const position
 #endif
 }
 
+[[nodiscard]] inline bool avx512_available(std::size_t head_dim) noexcept {
+#if KVCACHE_X86_DISPATCH
+  return head_dim % 16 == 0 && cpu_has_avx512f();
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 }  // namespace detail
 
 /// True when Kernel::avx2 can run for this head_dim on this CPU.
 [[nodiscard]] inline bool avx2_supported(std::size_t head_dim) noexcept {
   return detail::avx2_available(head_dim);
+}
+
+/// True when Kernel::avx512 can run for this head_dim on this CPU.
+[[nodiscard]] inline bool avx512_supported(std::size_t head_dim) noexcept {
+  return detail::avx512_available(head_dim);
 }
 
 /// Fast attention for a batch of sequences, each task's queries against its own view
@@ -401,7 +417,7 @@ void attend_batch(std::span<const AttentionTask<V>> tasks, const AttentionOption
     first_large.resize(tasks.size());
     first = first_large;
   }
-  bool all_avx2 = true;
+  bool all_avx2 = true, all_avx512 = true;
   for (std::size_t i = 0; i < tasks.size(); ++i) {
     const auto& t = tasks[i];
     first[i] = kvcache::detail::check_attention(t.q, t.view, t.out, opts, t.query_pos);
@@ -411,12 +427,21 @@ void attend_batch(std::span<const AttentionTask<V>> tasks, const AttentionOption
           "attend: head_dim ", d, " exceeds the CPU kernel's maximum ", kMaxHeadDim));
     }
     all_avx2 = all_avx2 && detail::avx2_available(d);
+    all_avx512 = all_avx512 && detail::avx512_available(d);
   }
   if (kernel == Kernel::avx2 && !all_avx2) {
     throw shape_error(
         "attend: the avx2 kernel needs a CPU with AVX2+FMA+F16C and head_dim a multiple of 8");
   }
+  if (kernel == Kernel::avx512 && !all_avx512) {
+    throw shape_error(
+        "attend: the avx512 kernel needs a CPU with AVX-512F and head_dim a multiple of 16");
+  }
 #if KVCACHE_X86_DISPATCH
+  if ((kernel == Kernel::automatic || kernel == Kernel::avx512) && all_avx512) {
+    detail::run_tasks<detail::Avx512Ops>(tasks, first, opts);
+    return;
+  }
   if (kernel != Kernel::portable && all_avx2) {
     detail::run_tasks<detail::Avx2Ops>(tasks, first, opts);
     return;
