@@ -173,7 +173,7 @@ KVCACHE_TARGET_AVX2 inline void qk_block(const float* q, const T* const* k, std:
 /// fetches the V side), into L2 (prefetcht1), not L1: a lead of several tiles of K and V does not
 /// fit in L1 beside the working rows, and L1 prefetches tie up its few miss buffers (Zen 4, half
 /// K/V, 16k-token decode on one thread: 8.4 GB/s with prefetcht0 two tiles ahead, 13 GB/s with
-/// prefetcht1 four tiles ahead).
+/// prefetcht1 four tiles ahead; Zen 5 does best with prefetcht1 two tiles ahead, kPrefetchTiles).
 template <Element T, int R>
 KVCACHE_TARGET_AVX2 void qk_rows(const float* q, const T* const* k, std::size_t nk, std::size_t d,
                                  float* s, std::size_t stride, FetchLines ahead) noexcept {
