@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // Decode attention bandwidth: 1 query token, 32 query heads over 8 KV heads, head_dim 128,
-// contexts 1k..32k, float and half K/V, 1 and 2 threads, against a memory-read baseline measured
-// in the same run. Each iteration reads another layer of a cache much larger than the last-level
-// cache, as a real decode step does, so the figures are DRAM bandwidth, not cache bandwidth.
+// contexts 1k..32k, float and half K/V, 1 and 2 threads, each SIMD kernel the CPU has (AVX2,
+// AVX-512), against a memory-read baseline measured in the same run. Each iteration reads another
+// layer of a cache much larger than the last-level cache, as a real decode step does, so the
+// figures are DRAM bandwidth, not cache bandwidth.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -59,64 +61,71 @@ struct DecodeFixture {
   }
 };
 
-// Memory-read baseline: sums `bytes` of a buffer much larger than the last-level cache, from where
-// the previous pass stopped, with `threads` threads and 16 independent accumulators each
-// (vectorisable). Returns the seconds it took.
-class ReadBaseline {
- public:
-  double read(kvcache::ThreadPool& pool, std::size_t threads, std::size_t bytes) {
-    const std::size_t floats =
-        std::min(bytes / sizeof(float), buffer_.size()) / (16 * threads) * (16 * threads);
-    if (next_ + floats > buffer_.size()) next_ = 0;
-    const float* base = buffer_.data() + next_;
-    next_ += floats;
-    const std::size_t per = floats / threads;
-    const auto start = std::chrono::steady_clock::now();
-    pool.parallel_for(threads, [&](std::size_t t) {
-      const float* p = base + t * per;
-      float a[16] = {};
-      for (std::size_t i = 0; i < per; i += 16) {
-        for (std::size_t j = 0; j < 16; ++j) a[j] += p[i + j];
+// Memory-read baseline: sums the K and V rows of one layer of the cache as 64-bit integers, with
+// `threads` threads (KV heads split between them as attention splits them) and 8 independent
+// accumulators each (vectorisable). The same bytes, in the same allocation, that an attention call
+// over that layer reads, so where the pages happen to lie affects both sides alike. Returns the
+// seconds it took.
+template <kvcache::KVView V>
+double read_layer(kvcache::ThreadPool& pool, std::size_t threads, const V& view) {
+  using T = typename V::value_type;
+  const auto seg = view.segment(0);  // a StaticCache view: one segment
+  const std::size_t words = seg.len * view.head_dim() * sizeof(T) / sizeof(std::uint64_t);
+  const std::size_t heads = view.num_kv_heads();
+  std::uint64_t sums[64] = {};
+  const auto start = std::chrono::steady_clock::now();
+  pool.parallel_for(threads, [&](std::size_t t) {
+    std::uint64_t a[8] = {};
+    for (std::size_t h = t; h < heads; h += threads) {
+      for (const T* rows : {seg.k, seg.v}) {
+        const auto* p = reinterpret_cast<const std::uint64_t*>(rows + h * seg.head_stride);
+        for (std::size_t i = 0; i + 8 <= words; i += 8) {
+          for (std::size_t j = 0; j < 8; ++j) a[j] += p[i + j];
+        }
       }
-      float s = 0;
-      for (float x : a) s += x;
-      sums_[t] = s;
-    });
-    benchmark::DoNotOptimize(sums_);
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    for (std::uint64_t x : a) sums[t] += x;
+  });
+  benchmark::DoNotOptimize(sums);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The kernel of a `simd` argument: its vector width in bits.
+kvcache::cpu::Kernel kernel_of(std::int64_t simd_bits) {
+  return simd_bits == 512 ? kvcache::cpu::Kernel::avx512 : kvcache::cpu::Kernel::avx2;
+}
+
+// contexts x threads x the SIMD widths this CPU runs.
+void decode_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"context", "threads", "simd"});
+  for (std::int64_t context : {1024, 4096, 16384, 32768}) {
+    for (std::int64_t threads : {1, 2}) {
+      if (kvcache::cpu::avx2_supported(kHeadDim)) b->Args({context, threads, 256});
+      if (kvcache::cpu::avx512_supported(kHeadDim)) b->Args({context, threads, 512});
+    }
   }
+}
 
- private:
-  // An AlignedBuffer like the caches' storage, so both sides read the same kind of pages.
-  kvcache::AlignedBuffer<float> buffer_ = [] {
-    kvcache::AlignedBuffer<float> b(kWorkingSetBytes / sizeof(float));
-    std::fill(b.data(), b.data() + b.size(), 1.0f);
-    return b;
-  }();
-  std::size_t next_ = 0;
-  float sums_[64] = {};
-};
-
-// Each iteration reads as many bytes through the read baseline as the attention call reads from
-// the cache, then runs the attention call; only the latter is the iteration's (manual) time. The
-// two alternate within milliseconds, so a noisy neighbour slows both alike and the ratio holds
-// where two separately timed benchmarks can disagree by 2x on a shared machine.
+// Each iteration reads one layer through the read baseline (half the cache away from the next),
+// then runs the attention call over the next layer; only the latter is the iteration's (manual)
+// time. The two alternate within milliseconds, so a noisy neighbour slows both alike and the ratio
+// holds where two separately timed benchmarks can disagree by 2x on a shared machine.
 template <class T>
 void BM_DecodeAttention(benchmark::State& state) {
   const auto context = static_cast<std::size_t>(state.range(0));
   const auto threads = static_cast<std::size_t>(state.range(1));
+  const kvcache::cpu::Kernel kernel = kernel_of(state.range(2));
   auto& f = DecodeFixture<T>::get(context);
-  static ReadBaseline baseline;
   kvcache::ThreadPool pool(threads);
   std::vector<float> q(kQHeads * kHeadDim, 0.1f), out(q.size());
   const std::size_t bytes = kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(T));
   std::size_t layer = 0;
   double read_seconds = 0, attend_seconds = 0;
   for (auto _ : state) {
-    read_seconds += baseline.read(pool, threads, bytes);
+    read_seconds += read_layer(pool, threads, f.cache->view((layer + f.layers / 2) % f.layers, 0));
     const auto start = std::chrono::steady_clock::now();
-    kvcache::attend({q, 1, kQHeads, kHeadDim}, f.cache->view(layer, 0), {out, 1, kQHeads, kHeadDim},
-                    {.pool = &pool});
+    kvcache::cpu::attend({q, 1, kQHeads, kHeadDim}, f.cache->view(layer, 0),
+                         {out, 1, kQHeads, kHeadDim}, {.pool = &pool}, kernel);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
     const double seconds =
@@ -131,14 +140,8 @@ void BM_DecodeAttention(benchmark::State& state) {
   state.counters["ratio"] = read_seconds / attend_seconds;  // same bytes: bandwidth ratio
 }
 
-BENCHMARK(BM_DecodeAttention<float>)
-    ->ArgNames({"context", "threads"})
-    ->ArgsProduct({{1024, 4096, 16384, 32768}, {1, 2}})
-    ->UseManualTime();
-BENCHMARK(BM_DecodeAttention<kvcache::half>)
-    ->ArgNames({"context", "threads"})
-    ->ArgsProduct({{1024, 4096, 16384, 32768}, {1, 2}})
-    ->UseManualTime();
+BENCHMARK(BM_DecodeAttention<float>)->Apply(decode_args)->UseManualTime();
+BENCHMARK(BM_DecodeAttention<kvcache::half>)->Apply(decode_args)->UseManualTime();
 
 }  // namespace
 
@@ -147,18 +150,21 @@ int main(int argc, char** argv) {
     std::printf(
         "decode attention bandwidth / memory-read bandwidth (same threads, the same bytes "
         "read alternately in one run)\n");
-    std::printf("%-8s %8s %8s %12s %12s %7s\n", "dtype", "context", "threads", "attn GB/s",
-                "read GB/s", "ratio");
+    std::printf("%-8s %8s %8s %7s %12s %12s %7s\n", "dtype", "context", "threads", "kernel",
+                "attn GB/s", "read GB/s", "ratio");
     for (const char* dtype : {"float", "kvcache::half"}) {
       for (int ctx : {1024, 4096, 16384, 32768}) {
         for (int t : {1, 2}) {
-          const std::string name = std::string("BM_DecodeAttention<") + dtype +
-                                   ">/context:" + std::to_string(ctx) +
-                                   "/threads:" + std::to_string(t) + "/manual_time";
-          const double attn = r.figure(name, "bytes_per_second");
-          if (attn == 0) continue;
-          std::printf("%-8s %8d %8d %12.2f %12.2f %7.3f\n", dtype[0] == 'f' ? "float" : "half", ctx,
-                      t, attn / 1e9, r.figure(name, "read_GBps"), r.figure(name, "ratio"));
+          for (int simd : {256, 512}) {
+            const std::string name =
+                std::string("BM_DecodeAttention<") + dtype + ">/context:" + std::to_string(ctx) +
+                "/threads:" + std::to_string(t) + "/simd:" + std::to_string(simd) + "/manual_time";
+            const double attn = r.figure(name, "bytes_per_second");
+            if (attn == 0) continue;
+            std::printf("%-8s %8d %8d %7s %12.2f %12.2f %7.3f\n",
+                        dtype[0] == 'f' ? "float" : "half", ctx, t, simd == 512 ? "avx512" : "avx2",
+                        attn / 1e9, r.figure(name, "read_GBps"), r.figure(name, "ratio"));
+          }
         }
       }
     }
