@@ -12,7 +12,6 @@
 #include <immintrin.h>
 
 #include <cstddef>
-#include <cstdint>
 #include <limits>
 
 #define KVCACHE_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
@@ -35,9 +34,8 @@ namespace kvcache::cpu::detail {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
     if (((b >> 16) & 1u) == 0) return false;  // AVX-512F
-    unsigned xcr0_lo = 0, xcr0_hi = 0;
-    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-    return (xcr0_lo & 0xE6u) == 0xE6u;  // the OS saves XMM, YMM, opmask and all of ZMM
+    // the OS saves XMM, YMM, the opmask registers and all of ZMM
+    return (kvcache::detail::read_xcr0() & 0xE6u) == 0xE6u;
   }();
   return supported;
 }

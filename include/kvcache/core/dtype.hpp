@@ -175,6 +175,13 @@ template <Element T>
 namespace detail {
 
 #if KVCACHE_X86_DISPATCH
+/// XCR0: which register state the OS saves on a context switch. @pre CPUID reports OSXSAVE.
+[[nodiscard]] inline std::uint64_t read_xcr0() noexcept {
+  unsigned lo = 0, hi = 0;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (std::uint64_t{hi} << 32) | lo;
+}
+
 /// True when the running CPU (and OS) supports AVX2, FMA and F16C, the fast CPU paths'
 /// requirement. Read once with CPUID and cached in a function-local constant: a fact about the
 /// machine, not mutable state.
@@ -185,10 +192,7 @@ namespace detail {
     const bool fma = (c >> 12) & 1u, osxsave = (c >> 27) & 1u, avx = (c >> 28) & 1u;
     const bool f16c = (c >> 29) & 1u;
     if (!(fma && osxsave && avx && f16c)) return false;
-    unsigned xcr0_lo = 0, xcr0_hi = 0;
-    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-    const std::uint64_t xcr0 = (std::uint64_t{xcr0_hi} << 32) | xcr0_lo;
-    if ((xcr0 & 0x6u) != 0x6u) return false;  // the OS saves XMM and YMM state
+    if ((read_xcr0() & 0x6u) != 0x6u) return false;  // the OS saves XMM and YMM state
     if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
     return ((b >> 5) & 1u) != 0;  // AVX2
   }();
