@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -96,9 +97,9 @@ kvcache::cpu::Kernel kernel_of(std::int64_t simd_bits) {
 }
 
 // contexts x threads x the SIMD widths this CPU runs.
-void decode_args(benchmark::internal::Benchmark* b) {
+void add_args(benchmark::internal::Benchmark* b, std::initializer_list<std::int64_t> contexts) {
   b->ArgNames({"context", "threads", "simd"});
-  for (std::int64_t context : {1024, 4096, 16384, 32768}) {
+  for (std::int64_t context : contexts) {
     for (std::int64_t threads : {1, 2}) {
       if (kvcache::cpu::avx2_supported(kHeadDim)) b->Args({context, threads, 256});
       if (kvcache::cpu::avx512_supported(kHeadDim)) b->Args({context, threads, 512});
@@ -140,8 +141,40 @@ void BM_DecodeAttention(benchmark::State& state) {
   state.counters["ratio"] = read_seconds / attend_seconds;  // same bytes: bandwidth ratio
 }
 
+void decode_args(benchmark::internal::Benchmark* b) { add_args(b, {1024, 4096, 16384, 32768}); }
 BENCHMARK(BM_DecodeAttention<float>)->Apply(decode_args)->UseManualTime();
 BENCHMARK(BM_DecodeAttention<kvcache::half>)->Apply(decode_args)->UseManualTime();
+
+// The kernel's ceiling: the same decode over one 4 MiB layer of half K/V (1024 tokens), attended
+// again and again so that it stays in the last-level cache. Where this rate is close to the DRAM
+// read rate, decode is bound by arithmetic, not by memory.
+void BM_DecodeInCache(benchmark::State& state) {
+  const auto context = static_cast<std::size_t>(state.range(0));
+  const auto threads = static_cast<std::size_t>(state.range(1));
+  const kvcache::cpu::Kernel kernel = kernel_of(state.range(2));
+  kvcache::StaticCache<kvcache::half> cache(
+      {.num_layers = 1, .num_kv_heads = kKvHeads, .head_dim = kHeadDim, .max_seq_len = context});
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist;
+  std::vector<float> k(context * kKvHeads * kHeadDim), v(k.size());
+  for (auto& x : k) x = dist(rng);
+  for (auto& x : v) x = dist(rng);
+  cache.append(0, 0, kvcache::TokenBlock<const float>{k, context, kKvHeads, kHeadDim},
+               kvcache::TokenBlock<const float>{v, context, kKvHeads, kHeadDim});
+  kvcache::ThreadPool pool(threads);
+  std::vector<float> q(kQHeads * kHeadDim, 0.1f), out(q.size());
+  for (auto _ : state) {
+    kvcache::cpu::attend({q, 1, kQHeads, kHeadDim}, cache.view(0, 0), {out, 1, kQHeads, kHeadDim},
+                         {.pool = &pool}, kernel);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(
+      kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(kvcache::half)) *
+      static_cast<std::size_t>(state.iterations())));
+}
+void in_cache_args(benchmark::internal::Benchmark* b) { add_args(b, {1024}); }
+BENCHMARK(BM_DecodeInCache)->Apply(in_cache_args)->UseRealTime();
 
 }  // namespace
 
@@ -166,6 +199,23 @@ int main(int argc, char** argv) {
                         attn / 1e9, r.figure(name, "read_GBps"), r.figure(name, "ratio"));
           }
         }
+      }
+    }
+    std::printf(
+        "\nthe kernel's ceiling: half, 1024 tokens attended over and over from the last-level "
+        "cache, over the DRAM read rate of the 16k-token rows\n");
+    std::printf("%8s %7s %16s %12s %7s\n", "threads", "kernel", "in-cache GB/s", "read GB/s",
+                "ratio");
+    for (int t : {1, 2}) {
+      for (int simd : {256, 512}) {
+        const std::string tail = "/threads:" + std::to_string(t) + "/simd:" + std::to_string(simd);
+        const double in_cache =
+            r.figure("BM_DecodeInCache/context:1024" + tail + "/real_time", "bytes_per_second");
+        const double read = r.figure(
+            "BM_DecodeAttention<kvcache::half>/context:16384" + tail + "/manual_time", "read_GBps");
+        if (in_cache == 0 || read == 0) continue;
+        std::printf("%8d %7s %16.2f %12.2f %7.3f\n", t, simd == 512 ? "avx512" : "avx2",
+                    in_cache / 1e9, read, in_cache / 1e9 / read);
       }
     }
   });
