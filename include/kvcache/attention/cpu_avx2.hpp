@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <type_traits>
 
 #include "kvcache/core/dtype.hpp"
 
@@ -17,6 +18,22 @@ struct Prefetch {
   const char* v = nullptr;
   std::size_t bytes = 0;
 };
+
+/// Calls f(std::integral_constant<int, R>{}) with R = min(rows, 4): the SIMD micro-kernels are
+/// instantiated for 1..4 query rows. @pre rows >= 1.
+template <class F>
+inline void with_rows(std::size_t rows, F&& f) {
+  switch (rows) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    default:
+      return f(std::integral_constant<int, 4>{});
+  }
+}
 
 }  // namespace kvcache::cpu::detail
 
@@ -252,31 +269,14 @@ struct Avx2Ops {
                                      std::size_t nk, std::size_t d, float* s, std::size_t stride,
                                      const Prefetch* ahead, std::size_t num_ahead) noexcept {
     const FetchLines lines(ahead, num_ahead, false);
-    switch (rows) {
-      case 1:
-        return qk_rows<T, 1>(q, k, nk, d, s, stride, lines);
-      case 2:
-        return qk_rows<T, 2>(q, k, nk, d, s, stride, lines);
-      case 3:
-        return qk_rows<T, 3>(q, k, nk, d, s, stride, lines);
-      default:
-        return qk_rows<T, 4>(q, k, nk, d, s, stride, lines);
-    }
+    with_rows(rows, [&](auto r) { qk_rows<T, decltype(r)::value>(q, k, nk, d, s, stride, lines); });
   }
   KVCACHE_TARGET_AVX2 static void pv(const float* p, std::size_t stride, std::size_t rows,
                                      const T* const* v, std::size_t nk, std::size_t d, float* acc,
                                      const Prefetch* ahead, std::size_t num_ahead) noexcept {
     const FetchLines lines(ahead, num_ahead, true);
-    switch (rows) {
-      case 1:
-        return pv_rows<T, 1>(p, stride, v, nk, d, acc, lines);
-      case 2:
-        return pv_rows<T, 2>(p, stride, v, nk, d, acc, lines);
-      case 3:
-        return pv_rows<T, 3>(p, stride, v, nk, d, acc, lines);
-      default:
-        return pv_rows<T, 4>(p, stride, v, nk, d, acc, lines);
-    }
+    with_rows(rows,
+              [&](auto r) { pv_rows<T, decltype(r)::value>(p, stride, v, nk, d, acc, lines); });
   }
   /// The largest of x[0..n), n >= 1.
   KVCACHE_TARGET_AVX2 static float max(const float* x, std::size_t n) noexcept {

@@ -242,31 +242,15 @@ struct Avx512Ops {
                                        std::size_t nk, std::size_t d, float* s, std::size_t stride,
                                        const Prefetch* ahead, std::size_t num_ahead) noexcept {
     const FetchLines lines(ahead, num_ahead, false);
-    switch (rows) {
-      case 1:
-        return qk_rows16<T, 1>(q, k, nk, d, s, stride, lines);
-      case 2:
-        return qk_rows16<T, 2>(q, k, nk, d, s, stride, lines);
-      case 3:
-        return qk_rows16<T, 3>(q, k, nk, d, s, stride, lines);
-      default:
-        return qk_rows16<T, 4>(q, k, nk, d, s, stride, lines);
-    }
+    with_rows(rows,
+              [&](auto r) { qk_rows16<T, decltype(r)::value>(q, k, nk, d, s, stride, lines); });
   }
   KVCACHE_TARGET_AVX512 static void pv(const float* p, std::size_t stride, std::size_t rows,
                                        const T* const* v, std::size_t nk, std::size_t d, float* acc,
                                        const Prefetch* ahead, std::size_t num_ahead) noexcept {
     const FetchLines lines(ahead, num_ahead, true);
-    switch (rows) {
-      case 1:
-        return pv_rows16<T, 1>(p, stride, v, nk, d, acc, lines);
-      case 2:
-        return pv_rows16<T, 2>(p, stride, v, nk, d, acc, lines);
-      case 3:
-        return pv_rows16<T, 3>(p, stride, v, nk, d, acc, lines);
-      default:
-        return pv_rows16<T, 4>(p, stride, v, nk, d, acc, lines);
-    }
+    with_rows(rows,
+              [&](auto r) { pv_rows16<T, decltype(r)::value>(p, stride, v, nk, d, acc, lines); });
   }
   /// The largest of x[0..n), n >= 1.
   KVCACHE_TARGET_AVX512 static float max(const float* x, std::size_t n) noexcept {
