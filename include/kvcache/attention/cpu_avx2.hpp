@@ -48,23 +48,36 @@ inline void with_rows(std::size_t rows, F&& f) {
 
 namespace kvcache::cpu::detail {
 
-/// The 64-byte lines of the K (or V) side of a list of Prefetch ranges, handed out in order.
-/// Small and inline, so that a micro-kernel keeps its cursor in registers.
+/// The 64-byte lines of the K (or V) side of a list of Prefetch ranges, prefetched into L2 in
+/// order, a few at a time between a micro-kernel's blocks.
 class FetchLines {
  public:
   FetchLines(const Prefetch* ranges, std::size_t n, bool v_side) noexcept
       : ranges_(ranges), left_(n), v_side_(v_side) {
     refill();
   }
-  /// How many lines there are in all.
-  [[nodiscard]] std::size_t total() const noexcept {
+  /// How many lines to fetch per slice to spread the lines left evenly over `slices` slices
+  /// (0 for none).
+  [[nodiscard]] std::size_t per_slice(std::size_t slices) const noexcept {
+    if (slices == 0) return 0;
     std::size_t lines = (bytes_ + 63) / 64;
     for (std::size_t i = 0; i < left_; ++i) lines += (ranges_[i].bytes + 63) / 64;
-    return lines;
+    return (lines + slices) / slices;
   }
-  [[nodiscard]] bool done() const noexcept { return bytes_ == 0; }
-  /// The next line. @pre !done().
-  [[nodiscard]] const char* next() noexcept {
+  /// Prefetches the next `n` lines, or as many as are left. fetch, fetch_rest and next are always
+  /// inlined: one out-of-line call puts the cursor in memory for the whole micro-kernel (measured:
+  /// AVX-512 16k-token half decode fell from 0.63-0.66 to 0.53-0.55 of the read bandwidth).
+  [[gnu::always_inline]] void fetch(std::size_t n) noexcept {
+    for (; n != 0 && bytes_ != 0; --n) _mm_prefetch(next(), _MM_HINT_T1);
+  }
+  /// Prefetches every line left.
+  [[gnu::always_inline]] void fetch_rest() noexcept {
+    while (bytes_ != 0) _mm_prefetch(next(), _MM_HINT_T1);
+  }
+
+ private:
+  // The next line. @pre bytes_ != 0.
+  [[nodiscard, gnu::always_inline]] const char* next() noexcept {
     const char* line = cur_;
     if (bytes_ > 64) {
       cur_ += 64;
@@ -76,7 +89,6 @@ class FetchLines {
     return line;
   }
 
- private:
   // Moves to the next non-empty range, if any.
   void refill() noexcept {
     for (; bytes_ == 0 && left_ != 0; ++ranges_, --left_) {
@@ -198,15 +210,13 @@ KVCACHE_TARGET_AVX2 void qk_rows(const float* q, const T* const* k, std::size_t 
   // only when nk is 1.
   std::size_t blocks = nk / 3;
   if (nk % 3 == 1 && blocks > 0) --blocks;
-  const std::size_t lines_per_block = blocks == 0 ? 0 : (ahead.total() + blocks) / blocks;
+  const std::size_t lines_per_block = ahead.per_slice(blocks);
   std::size_t j = 0;
   for (std::size_t b = 0; b < blocks; ++b, j += 3) {
-    for (std::size_t l = 0; l < lines_per_block && !ahead.done(); ++l) {
-      _mm_prefetch(ahead.next(), _MM_HINT_T1);
-    }
+    ahead.fetch(lines_per_block);
     qk_block<T, R, 3>(q, k + j, d, s + j, stride);
   }
-  while (!ahead.done()) _mm_prefetch(ahead.next(), _MM_HINT_T1);  // tiles too short to spread
+  ahead.fetch_rest();  // tiles too short to spread
   for (; j + 2 <= nk; j += 2) qk_block<T, R, 2>(q, k + j, d, s + j, stride);
   if (j < nk) qk_block<T, R, 1>(q, k + j, d, s + j, stride);
 }
@@ -229,7 +239,7 @@ KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* co
       a1[r] = _mm256_loadu_ps(acc + r * d + x + 8);
     }
     for (std::size_t j = 0; j < nk; ++j) {
-      if (!ahead.done()) _mm_prefetch(ahead.next(), _MM_HINT_T1);
+      ahead.fetch(1);
       const __m256 v0 = load8(v[j] + x);
       const __m256 v1 = load8(v[j] + x + 8);
 #pragma GCC unroll 4
@@ -259,7 +269,7 @@ KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* co
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + x, a0[r]);
   }
-  while (!ahead.done()) _mm_prefetch(ahead.next(), _MM_HINT_T1);  // more lines than rows visited
+  ahead.fetch_rest();  // more lines than rows visited
 }
 
 /// The AVX2 operation set of the tile loop (see cpu.hpp). @pre head_dim % 8 == 0.

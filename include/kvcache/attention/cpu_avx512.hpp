@@ -158,15 +158,13 @@ KVCACHE_TARGET_AVX512 void qk_rows16(const float* q, const T* const* k, std::siz
                                      std::size_t d, float* s, std::size_t stride,
                                      FetchLines ahead) noexcept {
   const std::size_t blocks = nk / 4;
-  const std::size_t lines_per_block = blocks == 0 ? 0 : (ahead.total() + blocks) / blocks;
+  const std::size_t lines_per_block = ahead.per_slice(blocks);
   std::size_t j = 0;
   for (std::size_t b = 0; b < blocks; ++b, j += 4) {
-    for (std::size_t l = 0; l < lines_per_block && !ahead.done(); ++l) {
-      _mm_prefetch(ahead.next(), _MM_HINT_T1);
-    }
+    ahead.fetch(lines_per_block);
     qk_block16<T, R, 4>(q, k + j, d, s + j, stride);
   }
-  while (!ahead.done()) _mm_prefetch(ahead.next(), _MM_HINT_T1);
+  ahead.fetch_rest();
   switch (nk - j) {
     case 3:
       return qk_block16<T, R, 3>(q, k + j, d, s + j, stride);
@@ -194,7 +192,7 @@ KVCACHE_TARGET_AVX512 inline void pv_columns16(const float* p, std::size_t strid
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * d + x0 + 16 * c);
   }
   for (std::size_t j = 0; j < nk; ++j) {
-    if (!ahead.done()) _mm_prefetch(ahead.next(), _MM_HINT_T1);
+    ahead.fetch(1);
     __m512 vx[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) vx[c] = load16(v[j] + x0 + 16 * c);
@@ -232,7 +230,7 @@ KVCACHE_TARGET_AVX512 void pv_rows16(const float* p, std::size_t stride, const T
     default:
       break;
   }
-  while (!ahead.done()) _mm_prefetch(ahead.next(), _MM_HINT_T1);
+  ahead.fetch_rest();
 }
 
 /// The AVX-512 operation set of the tile loop (see cpu.hpp). @pre head_dim % 16 == 0.
