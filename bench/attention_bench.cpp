@@ -24,6 +24,30 @@ namespace {
 constexpr std::size_t kQHeads = 32, kKvHeads = 8, kHeadDim = 128;
 constexpr std::size_t kWorkingSetBytes = std::size_t{3} << 30;  // >> any last-level cache
 
+// A StaticCache of `layers` layers, each holding `context` tokens of random K/V (one 1024-token
+// chunk, repeated). @pre context is a multiple of min(context, 1024).
+template <class T>
+std::unique_ptr<kvcache::StaticCache<T>> random_cache(std::size_t layers, std::size_t context) {
+  auto cache =
+      std::make_unique<kvcache::StaticCache<T>>(kvcache::StaticCacheConfig{.num_layers = layers,
+                                                                           .num_kv_heads = kKvHeads,
+                                                                           .head_dim = kHeadDim,
+                                                                           .max_seq_len = context});
+  std::mt19937 rng(42);
+  std::normal_distribution<float> dist;
+  const std::size_t chunk = std::min<std::size_t>(context, 1024);
+  std::vector<float> k(chunk * kKvHeads * kHeadDim), v(k.size());
+  for (auto& x : k) x = dist(rng);
+  for (auto& x : v) x = dist(rng);
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (std::size_t done = 0; done < context; done += chunk) {
+      cache->append(l, 0, kvcache::TokenBlock<const float>{k, chunk, kKvHeads, kHeadDim},
+                    kvcache::TokenBlock<const float>{v, chunk, kKvHeads, kHeadDim});
+    }
+  }
+  return cache;
+}
+
 // One cache at a time (a few GiB), rebuilt when the dtype or context changes.
 template <class T>
 struct DecodeFixture {
@@ -39,24 +63,7 @@ struct DecodeFixture {
       const std::size_t per_layer =
           kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(T));
       f.layers = std::max<std::size_t>(2, kWorkingSetBytes / per_layer);
-      f.cache = std::make_unique<kvcache::StaticCache<T>>(
-          kvcache::StaticCacheConfig{.num_layers = f.layers,
-                                     .num_kv_heads = kKvHeads,
-                                     .head_dim = kHeadDim,
-                                     .max_batch = 1,
-                                     .max_seq_len = context});
-      std::mt19937 rng(42);
-      std::normal_distribution<float> dist;
-      const std::size_t chunk = std::min<std::size_t>(context, 1024);
-      std::vector<float> k(chunk * kKvHeads * kHeadDim), v(k.size());
-      for (auto& x : k) x = dist(rng);
-      for (auto& x : v) x = dist(rng);
-      for (std::size_t l = 0; l < f.layers; ++l) {
-        for (std::size_t done = 0; done < context; done += chunk) {
-          f.cache->append(l, 0, kvcache::TokenBlock<const float>{k, chunk, kKvHeads, kHeadDim},
-                          kvcache::TokenBlock<const float>{v, chunk, kKvHeads, kHeadDim});
-        }
-      }
+      f.cache = random_cache<T>(f.layers, context);
     }
     return f;
   }
@@ -95,6 +102,8 @@ double read_layer(kvcache::ThreadPool& pool, std::size_t threads, const V& view)
 kvcache::cpu::Kernel kernel_of(std::int64_t simd_bits) {
   return simd_bits == 512 ? kvcache::cpu::Kernel::avx512 : kvcache::cpu::Kernel::avx2;
 }
+
+const char* kernel_name(int simd_bits) { return simd_bits == 512 ? "avx512" : "avx2"; }
 
 // contexts x threads x the SIMD widths this CPU runs.
 void add_args(benchmark::internal::Benchmark* b, std::initializer_list<std::int64_t> contexts) {
@@ -152,19 +161,11 @@ void BM_DecodeInCache(benchmark::State& state) {
   const auto context = static_cast<std::size_t>(state.range(0));
   const auto threads = static_cast<std::size_t>(state.range(1));
   const kvcache::cpu::Kernel kernel = kernel_of(state.range(2));
-  kvcache::StaticCache<kvcache::half> cache(
-      {.num_layers = 1, .num_kv_heads = kKvHeads, .head_dim = kHeadDim, .max_seq_len = context});
-  std::mt19937 rng(7);
-  std::normal_distribution<float> dist;
-  std::vector<float> k(context * kKvHeads * kHeadDim), v(k.size());
-  for (auto& x : k) x = dist(rng);
-  for (auto& x : v) x = dist(rng);
-  cache.append(0, 0, kvcache::TokenBlock<const float>{k, context, kKvHeads, kHeadDim},
-               kvcache::TokenBlock<const float>{v, context, kKvHeads, kHeadDim});
+  const auto cache = random_cache<kvcache::half>(1, context);
   kvcache::ThreadPool pool(threads);
   std::vector<float> q(kQHeads * kHeadDim, 0.1f), out(q.size());
   for (auto _ : state) {
-    kvcache::cpu::attend({q, 1, kQHeads, kHeadDim}, cache.view(0, 0), {out, 1, kQHeads, kHeadDim},
+    kvcache::cpu::attend({q, 1, kQHeads, kHeadDim}, cache->view(0, 0), {out, 1, kQHeads, kHeadDim},
                          {.pool = &pool}, kernel);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
@@ -195,8 +196,8 @@ int main(int argc, char** argv) {
             const double attn = r.figure(name, "bytes_per_second");
             if (attn == 0) continue;
             std::printf("%-8s %8d %8d %7s %12.2f %12.2f %7.3f\n",
-                        dtype[0] == 'f' ? "float" : "half", ctx, t, simd == 512 ? "avx512" : "avx2",
-                        attn / 1e9, r.figure(name, "read_GBps"), r.figure(name, "ratio"));
+                        dtype[0] == 'f' ? "float" : "half", ctx, t, kernel_name(simd), attn / 1e9,
+                        r.figure(name, "read_GBps"), r.figure(name, "ratio"));
           }
         }
       }
@@ -214,8 +215,8 @@ int main(int argc, char** argv) {
         const double read = r.figure(
             "BM_DecodeAttention<kvcache::half>/context:16384" + tail + "/manual_time", "read_GBps");
         if (in_cache == 0 || read == 0) continue;
-        std::printf("%8d %7s %16.2f %12.2f %7.3f\n", t, simd == 512 ? "avx512" : "avx2",
-                    in_cache / 1e9, read, in_cache / 1e9 / read);
+        std::printf("%8d %7s %16.2f %12.2f %7.3f\n", t, kernel_name(simd), in_cache / 1e9, read,
+                    in_cache / 1e9 / read);
       }
     }
   });
