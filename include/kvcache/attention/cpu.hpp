@@ -113,20 +113,36 @@ enum class TileCover { none, partial, full };
   return none_seen ? TileCover::none : TileCover::partial;
 }
 
-/// The keys of one segment that the rows of an attend_rows call can see: [begin, end).
+/// Which keys a sweep visits: every key up to the rows' largest position, except the non-sink
+/// keys below all of the rows' windows. Both bounds of the skipped range are whole tiles of
+/// absolute positions ([k * kTile, (k + 1) * kTile)), so that a sweep's tiles are those cells,
+/// each read whole or not at all, whatever the view's segments and whichever rows share the
+/// sweep: attention is batch-invariant and equal bit for bit across cache layouts.
 struct VisibleRange {
-  const kvcache::detail::Mask& mask;
-  position_t pos_max;  // the rows' largest position
-  position_t skip_to;  // non-sink keys below this are skipped (the rows' lowest window start,
-                       // rounded down to whole tiles)
+  bool causal = false;
+  position_t pos_max = 0;   // the rows' largest position
+  position_t sink_end = 0;  // the tiles holding sinks end here
+  position_t skip_to = 0;   // keys in [sink_end, skip_to) are skipped (the rows' lowest window
+                            // start, rounded down to a whole tile)
 
-  template <Element T>
-  void operator()(const KVSegment<T>& seg, position_t& begin, position_t& end) const noexcept {
-    begin = seg.first_pos;
-    end = seg.first_pos + static_cast<position_t>(seg.len);
-    if (mask.causal) {
-      end = std::min(end, pos_max + 1);
-      if (seg.first_pos >= mask.sinks) begin = std::max(begin, skip_to);
+  VisibleRange(const kvcache::detail::Mask& mask, position_t pos_max, position_t low_min) noexcept
+      : causal(mask.causal), pos_max(pos_max) {
+    constexpr auto tile = static_cast<position_t>(kTile);
+    sink_end = (mask.sinks + tile - 1) / tile * tile;
+    skip_to = low_min > 0 ? low_min / tile * tile : 0;
+  }
+
+  /// The first run of visited keys in [from, end): [begin, end) is set to it (empty if none).
+  /// A run stops at sink_end where keys after it are skipped.
+  void clip(position_t from, position_t& begin, position_t& end) const noexcept {
+    begin = from;
+    if (!causal) return;
+    end = std::min(end, pos_max + 1);
+    if (skip_to <= sink_end) return;
+    if (begin >= sink_end) {
+      begin = std::max(begin, skip_to);
+    } else {
+      end = std::min(end, sink_end);
     }
   }
 };
@@ -151,19 +167,25 @@ class KeyWalker {
 
   KeyWalker(const V& view, std::size_t kv_head, const VisibleRange& visible) noexcept
       : view_(view), kv_head_(kv_head), visible_(visible) {
-    enter(0);
+    if (view_.num_segments() != 0) {
+      seg_ = view_.segment(0);
+      settle(seg_.first_pos);
+    }
   }
 
   [[nodiscard]] bool done() const noexcept { return seg_index_ >= view_.num_segments(); }
 
-  /// The next min(n, keys left in the current segment) keys; moves past them. @pre !done().
+  /// Position of the next key. @pre !done().
+  [[nodiscard]] position_t position() const noexcept { return pos_; }
+
+  /// The next min(n, keys left in the current run) keys; moves past them. @pre !done().
   [[nodiscard]] KeyRun<T> next(std::size_t n) noexcept {
     const std::size_t keys = std::min(n, static_cast<std::size_t>(end_ - pos_));
     const std::size_t offset = seg_.head_stride * kv_head_ +
                                static_cast<std::size_t>(pos_ - seg_.first_pos) * view_.head_dim();
     const KeyRun<T> run{seg_.k + offset, seg_.v + offset, pos_, keys};
     pos_ += static_cast<position_t>(keys);
-    if (pos_ == end_) enter(seg_index_ + 1);
+    if (pos_ == end_) settle(pos_);
     return run;
   }
 
@@ -173,12 +195,16 @@ class KeyWalker {
   }
 
  private:
-  // Moves to the first segment from i on with a visible key.
-  void enter(std::size_t i) noexcept {
-    for (seg_index_ = i; seg_index_ < view_.num_segments(); ++seg_index_) {
-      seg_ = view_.segment(seg_index_);
-      visible_(seg_, pos_, end_);
+  // Moves to the first visited key at or after `from` in the current segment, else in the
+  // following ones.
+  void settle(position_t from) noexcept {
+    for (;;) {
+      end_ = seg_.first_pos + static_cast<position_t>(seg_.len);
+      visible_.clip(from, pos_, end_);
       if (pos_ < end_) return;
+      if (++seg_index_ >= view_.num_segments()) return;
+      seg_ = view_.segment(seg_index_);
+      from = seg_.first_pos;
     }
   }
 
@@ -215,19 +241,7 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  // Keys below every row's window are skipped in whole tiles, counted from the first skippable
-  // (non-sink) segment, so that the tiles a row sees never depend on which other rows share its
-  // call: attention is batch-invariant.
-  position_t skip_to = low_min;
-  for (std::size_t si = 0; si < view.num_segments(); ++si) {
-    const position_t first = view.segment(si).first_pos;
-    if (first < mask.sinks) continue;
-    skip_to = low_min > first ? first + (low_min - first) / static_cast<position_t>(kTile) *
-                                            static_cast<position_t>(kTile)
-                              : first;
-    break;
-  }
-  const VisibleRange visible{mask, pos_max, skip_to};
+  const VisibleRange visible{mask, pos_max, low_min};
   KeyWalker<V> keys(view, kv_head, visible);
   // K/V rows kPrefetchTiles tiles' worth of keys ahead, fetched while this tile computes. The
   // micro-kernel spreads the prefetches over its loop: one burst would stall on the line-fill
@@ -239,10 +253,13 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
   const T* krows[kTile];  // the tile's K and V rows, wherever their segments put them
   const T* vrows[kTile];
   while (!keys.done()) {
-    // One tile: up to kTile keys, in several runs where segments are shorter than a tile.
+    // One tile: the visited keys of one cell of kTile positions, in several runs where segments
+    // are shorter than a tile.
     std::size_t num_runs = 0, nk = 0;
-    while (nk < kTile && !keys.done()) {
-      const KeyRun<T> run = keys.next(kTile - nk);
+    constexpr auto tile = static_cast<position_t>(kTile);
+    const position_t cell_end = (keys.position() / tile + 1) * tile;
+    while (!keys.done() && keys.position() < cell_end) {
+      const KeyRun<T> run = keys.next(static_cast<std::size_t>(cell_end - keys.position()));
       fetch[num_runs] = {};
       if (!ahead.done()) {
         const KeyRun<T> a = ahead.next(run.n);
