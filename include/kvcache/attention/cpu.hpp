@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The fast CPU attention kernel: one pass over the cached K/V with an online (flash-attention)
 // softmax, tiles of kTile keys, all query heads of one KV head sharing every K/V row read, fp16 and
-// bf16 read directly. Work is split into (sequence, KV head, block of query rows) tasks that an
-// optional caller-owned ThreadPool runs in parallel.
+// bf16 read directly. Work is split into (sequence, KV head, block of query rows) items that an
+// optional caller-owned ThreadPool runs in parallel. Over views of short segments (paged blocks)
+// one item sweeps several KV heads in lockstep, so that each block is read whole.
 #pragma once
 
 #include <algorithm>
@@ -189,6 +190,13 @@ class KeyWalker {
     return run;
   }
 
+  /// A walker at the same key over KV head `kv_head`.
+  [[nodiscard]] KeyWalker for_head(std::size_t kv_head) const noexcept {
+    KeyWalker w(*this);
+    w.kv_head_ = kv_head;
+    return w;
+  }
+
   /// Moves n keys on, across segments.
   void skip(std::size_t n) noexcept {
     while (n != 0 && !done()) n -= next(n).n;
@@ -217,53 +225,61 @@ class KeyWalker {
   position_t end_ = 0;
 };
 
-/// Attention of up to kRowBlock query rows, all mapped to KV head `kv_head`, over the whole
-/// view: a single pass over the visible tiles with an online softmax. Writes each row's output.
+/// One online-softmax sweep: up to kRowBlock query rows, all mapped to KV head `kv_head`, over
+/// the view's visible keys, one tile of kTile keys per step(). The caller owns the scaled queries
+/// and the output accumulators ([num_rows][head_dim] floats each), so that the sweeps of several
+/// KV heads can share one stack frame and run in lockstep (attend_heads).
 template <class Ops, KVView V>
-void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_t num_rows,
-                 const kvcache::detail::Mask& mask, float scale, float softcap) noexcept {
+class Sweep {
+ public:
   using T = typename V::value_type;
-  const std::size_t d = view.head_dim();
-  alignas(64) float qs[kRowBlock * kMaxHeadDim];
-  alignas(64) float acc[kRowBlock * kMaxHeadDim];
-  alignas(64) float s[kSubRows * kTile];
-  float row_max[kRowBlock];
-  float row_sum[kRowBlock];
-  position_t pos_max = std::numeric_limits<position_t>::min();
-  position_t low_min = std::numeric_limits<position_t>::max();
-  for (std::size_t r = 0; r < num_rows; ++r) {
-    for (std::size_t x = 0; x < d; ++x) qs[r * d + x] = rows[r].q[x] * scale;
-    std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
-    row_max[r] = -std::numeric_limits<float>::infinity();
-    row_sum[r] = 0.0f;
-    pos_max = std::max(pos_max, rows[r].pos);
-    low_min = std::min(low_min, mask.low(rows[r].pos));
-  }
-  const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  const VisibleRange visible{mask, pos_max, low_min};
-  KeyWalker<V> keys(view, kv_head, visible);
-  // K/V rows kPrefetchTiles tiles' worth of keys ahead, fetched while this tile computes. The
-  // micro-kernel spreads the prefetches over its loop: one burst would stall on the line-fill
-  // buffers, and the V tile's column-wise reads leave the hardware prefetchers behind.
-  KeyWalker<V> ahead(view, kv_head, visible);
-  ahead.skip(kPrefetchTiles * kTile);
-  KeyRun<T> runs[kTile];
-  Prefetch fetch[kTile];
-  const T* krows[kTile];  // the tile's K and V rows, wherever their segments put them
-  const T* vrows[kTile];
-  while (!keys.done()) {
+  /// Each step prefetches the keys of KV head `ahead_head`, `lead_tiles` tiles after the step's
+  /// own: the sweep's own keys further on when it runs alone, the next head's keys of the same
+  /// tile when sweeps run in lockstep.
+  /// @pre 1 <= num_rows <= kRowBlock; qs and acc hold num_rows * head_dim floats, 64-byte aligned;
+  /// view, rows and mask outlive the sweep.
+  Sweep(const V& view, std::size_t kv_head, const Row* rows, std::size_t num_rows,
+        const kvcache::detail::Mask& mask, float scale, float softcap, float* qs, float* acc,
+        std::size_t ahead_head, std::size_t lead_tiles) noexcept
+      : rows_(rows),
+        num_rows_(num_rows),
+        d_(view.head_dim()),
+        mask_(mask),
+        softcap_(softcap),
+        qs_(qs),
+        acc_(acc),
+        keys_(view, kv_head, visible_range(rows, num_rows, mask)),
+        ahead_(keys_.for_head(ahead_head)) {
+    for (std::size_t r = 0; r < num_rows; ++r) {
+      for (std::size_t x = 0; x < d_; ++x) qs_[r * d_ + x] = rows[r].q[x] * scale;
+      std::fill(acc_ + r * d_, acc_ + (r + 1) * d_, 0.0f);
+      row_max_[r] = -std::numeric_limits<float>::infinity();
+      row_sum_[r] = 0.0f;
+    }
+    ahead_.skip(lead_tiles * kTile);
+  }
+
+  [[nodiscard]] bool done() const noexcept { return keys_.done(); }
+
+  /// Attends the rows over the next tile. @pre !done().
+  void step() noexcept {
     // One tile: the visited keys of one cell of kTile positions, in several runs where segments
     // are shorter than a tile.
+    KeyRun<T> runs[kTile];
+    Prefetch fetch[kTile];
+    const T* krows[kTile];  // the tile's K and V rows, wherever their segments put them
+    const T* vrows[kTile];
+    const std::size_t d = d_;
     std::size_t num_runs = 0, nk = 0;
     constexpr auto tile = static_cast<position_t>(kTile);
-    const position_t cell_end = (keys.position() / tile + 1) * tile;
-    while (!keys.done() && keys.position() < cell_end) {
-      const KeyRun<T> run = keys.next(static_cast<std::size_t>(cell_end - keys.position()));
+    const position_t cell_end = (keys_.position() / tile + 1) * tile;
+    while (!keys_.done() && keys_.position() < cell_end) {
+      const KeyRun<T> run = keys_.next(static_cast<std::size_t>(cell_end - keys_.position()));
       fetch[num_runs] = {};
-      if (!ahead.done()) {
-        const KeyRun<T> a = ahead.next(run.n);
-        ahead.skip(run.n - a.n);  // keep the lead where segment boundaries do not line up
+      if (!ahead_.done()) {
+        const KeyRun<T> a = ahead_.next(run.n);
+        ahead_.skip(run.n - a.n);  // keep the lead where segment boundaries do not line up
         fetch[num_runs] = {reinterpret_cast<const char*>(a.k), reinterpret_cast<const char*>(a.v),
                            a.n * d * sizeof(T)};
       }
@@ -274,35 +290,36 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
       runs[num_runs++] = run;
       nk += run.n;
     }
+    const float neg_inf = -std::numeric_limits<float>::infinity();
     const position_t t0 = runs[0].first;
     const position_t t_last =
         runs[num_runs - 1].first + static_cast<position_t>(runs[num_runs - 1].n) - 1;
-    for (std::size_t r0 = 0; r0 < num_rows; r0 += kSubRows) {
-      const std::size_t sub = std::min(kSubRows, num_rows - r0);
+    for (std::size_t r0 = 0; r0 < num_rows_; r0 += kSubRows) {
+      const std::size_t sub = std::min(kSubRows, num_rows_ - r0);
       TileCover cover[kSubRows];
       bool any = false;
       for (std::size_t r = 0; r < sub; ++r) {
-        cover[r] = tile_cover(mask, rows[r0 + r].pos, t0, t_last);
+        cover[r] = tile_cover(mask_, rows_[r0 + r].pos, t0, t_last);
         any = any || cover[r] != TileCover::none;
       }
       if (!any) continue;
       // The first row block fetches the rows ahead; later ones find them already coming.
       const std::size_t num_fetch = r0 == 0 ? num_runs : 0;
-      Ops::qk(qs + r0 * d, sub, krows, nk, d, s, kTile, fetch, num_fetch);
+      Ops::qk(qs_ + r0 * d, sub, krows, nk, d, s_, kTile, fetch, num_fetch);
       for (std::size_t r = 0; r < sub; ++r) {
-        float* sr = s + r * kTile;
+        float* sr = s_ + r * kTile;
         if (cover[r] == TileCover::none) {
           std::fill(sr, sr + nk, 0.0f);
           continue;
         }
-        if (softcap > 0.0f) {
-          for (std::size_t j = 0; j < nk; ++j) sr[j] = softcap * std::tanh(sr[j] / softcap);
+        if (softcap_ > 0.0f) {
+          for (std::size_t j = 0; j < nk; ++j) sr[j] = softcap_ * std::tanh(sr[j] / softcap_);
         }
         if (cover[r] == TileCover::partial) {
           for (std::size_t i = 0, at = 0; i < num_runs; at += runs[i++].n) {
             for (std::size_t j = 0; j < runs[i].n; ++j) {
               const position_t pos = runs[i].first + static_cast<position_t>(j);
-              if (!mask.visible(rows[r0 + r].pos, pos)) sr[at + j] = neg_inf;
+              if (!mask_.visible(rows_[r0 + r].pos, pos)) sr[at + j] = neg_inf;
             }
           }
         }
@@ -311,53 +328,214 @@ void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_
           std::fill(sr, sr + nk, 0.0f);
           continue;
         }
-        float& m = row_max[r0 + r];
+        float& m = row_max_[r0 + r];
         const float m_new = std::max(m, tile_max);
         if (m != neg_inf && m_new != m) {
           const float correction = std::exp(m - m_new);
-          row_sum[r0 + r] *= correction;
-          Ops::scale(acc + (r0 + r) * d, d, correction);
+          row_sum_[r0 + r] *= correction;
+          Ops::scale(acc_ + (r0 + r) * d, d, correction);
         }
         m = m_new;
-        row_sum[r0 + r] += Ops::exp_sum(sr, nk, m_new);
+        row_sum_[r0 + r] += Ops::exp_sum(sr, nk, m_new);
       }
-      Ops::pv(s, kTile, sub, vrows, nk, d, acc + r0 * d, fetch, num_fetch);
+      Ops::pv(s_, kTile, sub, vrows, nk, d, acc_ + r0 * d, fetch, num_fetch);
     }
   }
-  for (std::size_t r = 0; r < num_rows; ++r) {
-    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
-    for (std::size_t x = 0; x < d; ++x) rows[r].out[x] = acc[r * d + x] * inv;
+
+  /// Writes each row's output (zeros for a row that saw no key).
+  void finish() const noexcept {
+    for (std::size_t r = 0; r < num_rows_; ++r) {
+      const float inv = row_sum_[r] > 0.0f ? 1.0f / row_sum_[r] : 0.0f;
+      for (std::size_t x = 0; x < d_; ++x) rows_[r].out[x] = acc_[r * d_ + x] * inv;
+    }
   }
+
+ private:
+  static VisibleRange visible_range(const Row* rows, std::size_t num_rows,
+                                    const kvcache::detail::Mask& mask) noexcept {
+    position_t pos_max = std::numeric_limits<position_t>::min();
+    position_t low_min = std::numeric_limits<position_t>::max();
+    for (std::size_t r = 0; r < num_rows; ++r) {
+      pos_max = std::max(pos_max, rows[r].pos);
+      low_min = std::min(low_min, mask.low(rows[r].pos));
+    }
+    return {mask, pos_max, low_min};
+  }
+
+  const Row* rows_;
+  std::size_t num_rows_;
+  std::size_t d_;
+  const kvcache::detail::Mask& mask_;
+  float softcap_;
+  float* qs_;
+  float* acc_;
+  alignas(64) float s_[kSubRows * kTile];
+  float row_max_[kRowBlock];
+  float row_sum_[kRowBlock];
+  KeyWalker<V> keys_;
+  // The K/V rows fetched while this tile computes. The micro-kernel spreads the prefetches over
+  // its loop: one burst would stall on the line-fill buffers, and the V tile's column-wise reads
+  // leave the hardware prefetchers behind.
+  KeyWalker<V> ahead_;
+};
+
+/// Attention of up to kRowBlock query rows, all mapped to KV head `kv_head`, over the whole
+/// view: a single pass over the visible tiles with an online softmax. Writes each row's output.
+template <class Ops, KVView V>
+void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_t num_rows,
+                 const kvcache::detail::Mask& mask, float scale, float softcap) noexcept {
+  alignas(64) float qs[kRowBlock * kMaxHeadDim];
+  alignas(64) float acc[kRowBlock * kMaxHeadDim];
+  Sweep<Ops, V> sweep(view, kv_head, rows, num_rows, mask, scale, softcap, qs, acc, kv_head,
+                      kPrefetchTiles);
+  while (!sweep.done()) sweep.step();
+  sweep.finish();
+}
+
+/// Most KV heads one lockstep work item sweeps together.
+inline constexpr std::size_t kMaxLockstepHeads = 16;
+/// Floats of queries (and as many of accumulators) all sweeps of a lockstep item share: as much
+/// stack as attend_rows takes.
+inline constexpr std::size_t kLockstepFloats = kRowBlock * kMaxHeadDim;
+/// Views whose segments hold at most this many bytes of one KV head's K (or V) on average are
+/// swept in lockstep over KV heads.
+inline constexpr std::size_t kLockstepSegmentBytes = std::size_t{8} << 10;
+
+/// Floats between the queries (and accumulators) of consecutive heads of a lockstep item: whole
+/// cache lines, so that every head's start stays 64-byte aligned.
+[[nodiscard]] constexpr std::size_t lockstep_stride(std::size_t rows,
+                                                    std::size_t head_dim) noexcept {
+  return (rows * head_dim + 15) / 16 * 16;
+}
+
+/// Attention of KV heads [head0, head0 + num_heads), `rows_per_head` query rows each (rows of
+/// head h at rows + (h - head0) * rows_per_head), swept in lockstep: tile i of every head, then
+/// tile i + 1. A paged block stores its KV heads one after another, so one step reads the tile's
+/// blocks whole (num_heads x 4 KiB runs back to back for 16-token half blocks at head_dim 128)
+/// instead of one 4 KiB run per block per pass. Each head's arithmetic is that of attend_rows.
+/// @pre num_heads <= kMaxLockstepHeads, rows_per_head <= kRowBlock,
+///      num_heads * lockstep_stride(rows_per_head, head_dim) <= kLockstepFloats.
+template <class Ops, KVView V>
+void attend_heads(const V& view, std::size_t head0, std::size_t num_heads, const Row* rows,
+                  std::size_t rows_per_head, const kvcache::detail::Mask& mask, float scale,
+                  float softcap) noexcept {
+  alignas(64) float qs[kLockstepFloats];
+  alignas(64) float acc[kLockstepFloats];
+  std::optional<Sweep<Ops, V>> sweeps[kMaxLockstepHeads];
+  const std::size_t floats = lockstep_stride(rows_per_head, view.head_dim());
+  for (std::size_t h = 0; h < num_heads; ++h) {
+    sweeps[h].emplace(view, head0 + h, rows + h * rows_per_head, rows_per_head, mask, scale,
+                      softcap, qs + h * floats, acc + h * floats,
+                      h + 1 < num_heads ? head0 + h + 1 : head0, h + 1 < num_heads ? 0 : 1);
+  }
+  for (bool more = true; more;) {
+    more = false;
+    for (std::size_t h = 0; h < num_heads; ++h) {
+      if (sweeps[h]->done()) continue;
+      sweeps[h]->step();
+      more = true;
+    }
+  }
+  for (std::size_t h = 0; h < num_heads; ++h) sweeps[h]->finish();
+}
+
+/// How one task's work is cut into items: `heads` KV heads per item (more than one only for
+/// lockstep sweeps) x `blocks` blocks of kRowBlock rows per KV head.
+struct TaskSplit {
+  std::size_t heads = 1;
+  std::size_t blocks = 1;
+  [[nodiscard]] std::size_t items(std::size_t num_kv_heads) const noexcept {
+    return (num_kv_heads + heads - 1) / heads * blocks;
+  }
+};
+
+/// Query rows per KV head of a task: its tokens x the query heads of one KV head.
+template <KVView V>
+[[nodiscard]] std::size_t rows_per_head(const AttentionTask<V>& t) noexcept {
+  return t.q.num_tokens * (t.q.num_heads / t.view.num_kv_heads());
+}
+
+/// The most KV heads of task `t` one lockstep item can sweep: 1 unless its view is made of short
+/// segments (a paged view) and its rows fit one row block.
+template <KVView V>
+[[nodiscard]] std::size_t lockstep_heads(const AttentionTask<V>& t) noexcept {
+  const std::size_t rows = rows_per_head(t);
+  const std::size_t segments = t.view.num_segments();
+  if (rows == 0 || rows > kRowBlock || segments < 2) return 1;
+  const std::size_t d = t.view.head_dim();
+  const std::size_t segment_bytes =
+      view_num_tokens(t.view) / segments * d * sizeof(typename V::value_type);
+  if (segment_bytes > kLockstepSegmentBytes) return 1;
+  return std::max<std::size_t>(1, std::min({kMaxLockstepHeads, t.view.num_kv_heads(),
+                                            kLockstepFloats / lockstep_stride(rows, d)}));
+}
+
+/// The split of task `t` when lockstep items hold at most `width` KV heads.
+template <KVView V>
+[[nodiscard]] TaskSplit task_split(const AttentionTask<V>& t, std::size_t width) noexcept {
+  const std::size_t heads = std::min(width, lockstep_heads(t));
+  if (heads > 1) return {heads, 1};
+  return {1, (rows_per_head(t) + kRowBlock - 1) / kRowBlock};
 }
 
 /// Work items of one task: KV heads x blocks of kRowBlock rows.
 template <KVView V>
 [[nodiscard]] std::size_t task_items(const AttentionTask<V>& t) noexcept {
-  const std::size_t heads = t.view.num_kv_heads();
-  const std::size_t rows_per_head = t.q.num_tokens * (t.q.num_heads / heads);
-  return heads * ((rows_per_head + kRowBlock - 1) / kRowBlock);
+  return task_split(t, 1).items(t.view.num_kv_heads());
 }
 
-/// Runs work item `item` of task `t`: KV head item / blocks, row block item % blocks. Rows are
-/// ordered token-major (row = token * group + head-in-group).
+/// Runs work item `item` of task `t` split as `split`: KV heads [item / blocks * heads, + heads),
+/// row block item % blocks. Rows are ordered token-major (row = token * group + head-in-group).
 template <class Ops, KVView V>
-void run_item(const AttentionTask<V>& t, position_t first_pos, std::size_t item,
-              const kvcache::detail::Mask& mask, float scale, float softcap) noexcept {
+void run_item(const AttentionTask<V>& t, const TaskSplit& split, position_t first_pos,
+              std::size_t item, const kvcache::detail::Mask& mask, float scale,
+              float softcap) noexcept {
   const std::size_t heads = t.view.num_kv_heads();
   const std::size_t group = t.q.num_heads / heads;
-  const std::size_t rows_per_head = t.q.num_tokens * group;
-  const std::size_t blocks = (rows_per_head + kRowBlock - 1) / kRowBlock;
-  const std::size_t kv_head = item / blocks;
-  const std::size_t row0 = (item % blocks) * kRowBlock;
-  const std::size_t num_rows = std::min(kRowBlock, rows_per_head - row0);
-  Row rows[kRowBlock];
-  for (std::size_t r = 0; r < num_rows; ++r) {
-    const std::size_t token = (row0 + r) / group;
-    const std::size_t q_head = kv_head * group + (row0 + r) % group;
-    rows[r] = {t.q.row(token, q_head), t.out.row(token, q_head),
-               first_pos + static_cast<position_t>(token)};
+  const std::size_t rows_per = rows_per_head(t);
+  const std::size_t head0 = item / split.blocks * split.heads;
+  const std::size_t row0 = (item % split.blocks) * kRowBlock;
+  const std::size_t num_rows = std::min(kRowBlock, rows_per - row0);
+  const std::size_t num_heads = std::min(split.heads, heads - head0);
+  Row rows[kMaxLockstepHeads * kRowBlock];
+  for (std::size_t h = 0; h < num_heads; ++h) {
+    for (std::size_t r = 0; r < num_rows; ++r) {
+      const std::size_t token = (row0 + r) / group;
+      const std::size_t q_head = (head0 + h) * group + (row0 + r) % group;
+      rows[h * num_rows + r] = {t.q.row(token, q_head), t.out.row(token, q_head),
+                                first_pos + static_cast<position_t>(token)};
+    }
   }
-  attend_rows<Ops>(t.view, kv_head, rows, num_rows, mask, scale, softcap);
+  if (num_heads == 1) {
+    attend_rows<Ops>(t.view, head0, rows, num_rows, mask, scale, softcap);
+  } else {
+    attend_heads<Ops>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
+  }
+}
+
+/// The lockstep width of a call: the widest that still gives every thread its share. Items of
+/// `width` heads take about `width` head sweeps each; among widths with the shortest critical
+/// path (items per thread x width) the widest wins.
+template <KVView V>
+[[nodiscard]] std::size_t lockstep_width(std::span<const AttentionTask<V>> tasks,
+                                         std::size_t threads) noexcept {
+  std::size_t widest = 1;
+  for (const auto& t : tasks) widest = std::max(widest, lockstep_heads(t));
+  std::size_t best = 1, best_path = std::numeric_limits<std::size_t>::max();
+  for (std::size_t w = 1; w <= widest; ++w) {
+    std::size_t items = 0, path_width = 1;
+    for (const auto& t : tasks) {
+      const TaskSplit split = task_split(t, w);
+      items += split.items(t.view.num_kv_heads());
+      path_width = std::max(path_width, split.heads);
+    }
+    const std::size_t path = (items + threads - 1) / threads * path_width;
+    if (path <= best_path) {
+      best = w;
+      best_path = path;
+    }
+  }
+  return best;
 }
 
 template <template <class> class Ops, KVView V>
@@ -366,22 +544,30 @@ void run_tasks(std::span<const AttentionTask<V>> tasks, std::span<const position
   using T = typename V::value_type;
   const kvcache::detail::Mask mask{opts.causal, static_cast<position_t>(opts.window),
                                    static_cast<position_t>(opts.num_sink_tokens)};
-  std::size_t total_items = 0;
   std::size_t total_work = 0;  // K/V elements swept, to decide whether threads pay off
   for (const auto& t : tasks) {
-    total_items += task_items(t);
     total_work += task_items(t) * view_num_tokens(t.view) * t.view.head_dim();
   }
+  constexpr std::size_t kMinParallelWork = std::size_t{1} << 16;
+  const bool parallel = opts.pool != nullptr && total_work >= kMinParallelWork;
+  const std::size_t width = lockstep_width(tasks, parallel ? opts.pool->num_threads() : 1);
+  std::size_t total_items = 0;
+  for (const auto& t : tasks) total_items += task_split(t, width).items(t.view.num_kv_heads());
   auto run = [&](std::size_t global) {
     std::size_t i = 0;
-    for (; global >= task_items(tasks[i]); ++i) global -= task_items(tasks[i]);
+    TaskSplit split;
+    for (;; ++i) {
+      split = task_split(tasks[i], width);
+      const std::size_t items = split.items(tasks[i].view.num_kv_heads());
+      if (global < items) break;
+      global -= items;
+    }
     const auto& t = tasks[i];
     const float scale =
         opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(t.view.head_dim()));
-    run_item<Ops<T>>(t, first_pos[i], global, mask, scale, opts.softcap);
+    run_item<Ops<T>>(t, split, first_pos[i], global, mask, scale, opts.softcap);
   };
-  constexpr std::size_t kMinParallelWork = std::size_t{1} << 16;
-  if (opts.pool != nullptr && total_items > 1 && total_work >= kMinParallelWork) {
+  if (parallel && total_items > 1) {
     opts.pool->parallel_for(total_items, run);
   } else {
     for (std::size_t i = 0; i < total_items; ++i) run(i);
