@@ -207,12 +207,10 @@ double prefill_tflops(int cached, int fresh, float* ms_out) {
 
 int main() {
   if (kcuda::device_count() == 0) {
-    int n = 0;
-    const cudaError_t why = cudaGetDeviceCount(&n);
     const char* required = std::getenv("KVCACHE_REQUIRE_CUDA_DEVICE");
     const bool fail = required != nullptr && std::string(required) == "1";
     std::printf("cuda_attention_bench: no CUDA device (%s); nothing to measure%s\n",
-                why == cudaSuccess ? "cudaGetDeviceCount found none" : cudaGetErrorString(why),
+                kcuda::no_device_reason().c_str(),
                 fail ? " (KVCACHE_REQUIRE_CUDA_DEVICE=1: failing)" : "");
     return fail ? 1 : 0;
   }

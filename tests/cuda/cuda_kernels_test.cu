@@ -40,12 +40,7 @@ namespace {
 // missing device, such as a driver older than the runtime, must not pass as a skip).
 bool have_device() {
   if (kcuda::device_count() > 0) return true;
-  int n = 0;
-  const cudaError_t why = cudaGetDeviceCount(&n);
-  (void)cudaGetLastError();
-  const std::string reason =
-      why == cudaSuccess ? std::string("cudaGetDeviceCount found none")
-                         : std::string(cudaGetErrorName(why)) + ": " + cudaGetErrorString(why);
+  const std::string reason = kcuda::no_device_reason();
   const char* required = std::getenv("KVCACHE_REQUIRE_CUDA_DEVICE");
   if (required != nullptr && std::string(required) == "1") {
     FAIL("no CUDA device (" << reason << ") and KVCACHE_REQUIRE_CUDA_DEVICE=1");

@@ -50,6 +50,18 @@ inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel)
   return n;
 }
 
+/// Why device_count() is 0, in CUDA's words ("cudaErrorInsufficientDriver: CUDA driver version
+/// is insufficient for CUDA runtime version"), for a message that tells a missing device from a
+/// broken driver. Empty when there is a device.
+[[nodiscard]] inline std::string no_device_reason() {
+  int n = 0;
+  const cudaError_t why = cudaGetDeviceCount(&n);
+  (void)cudaGetLastError();
+  if (why == cudaSuccess)
+    return n > 0 ? std::string() : std::string("cudaGetDeviceCount found none");
+  return std::string(cudaGetErrorName(why)) + ": " + cudaGetErrorString(why);
+}
+
 /// Owns `size()` elements of T in device memory (cudaMalloc; contents uninitialised). Move-only.
 template <class T>
 class DeviceBuffer {
