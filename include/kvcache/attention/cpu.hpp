@@ -157,7 +157,7 @@ struct KeyRun {
   std::size_t n = 0;
 };
 
-/// Walks the keys attend_rows visits (each segment's visible range), in order and across segment
+/// Walks the keys a sweep visits (each segment's visible range), in order and across segment
 /// boundaries, handing them out in runs. Tiles and prefetches follow the keys rather than the
 /// segments, so views of many short segments (paged blocks) cost no more per key than one long
 /// segment does.
@@ -379,23 +379,10 @@ class Sweep {
   KeyWalker<V> ahead_;
 };
 
-/// Attention of up to kRowBlock query rows, all mapped to KV head `kv_head`, over the whole
-/// view: a single pass over the visible tiles with an online softmax. Writes each row's output.
-template <class Ops, KVView V>
-void attend_rows(const V& view, std::size_t kv_head, const Row* rows, std::size_t num_rows,
-                 const kvcache::detail::Mask& mask, float scale, float softcap) noexcept {
-  alignas(64) float qs[kRowBlock * kMaxHeadDim];
-  alignas(64) float acc[kRowBlock * kMaxHeadDim];
-  Sweep<Ops, V> sweep(view, kv_head, rows, num_rows, mask, scale, softcap, qs, acc, kv_head,
-                      kPrefetchTiles);
-  while (!sweep.done()) sweep.step();
-  sweep.finish();
-}
-
 /// Most KV heads one lockstep work item sweeps together.
 inline constexpr std::size_t kMaxLockstepHeads = 16;
-/// Floats of queries (and as many of accumulators) all sweeps of a lockstep item share: as much
-/// stack as attend_rows takes.
+/// Floats of queries (and as many of accumulators) all sweeps of one item share: a row block at
+/// the largest head_dim.
 inline constexpr std::size_t kLockstepFloats = kRowBlock * kMaxHeadDim;
 /// Views whose segments hold at most this many bytes of one KV head's K (or V) on average are
 /// swept in lockstep over KV heads.
@@ -409,10 +396,12 @@ inline constexpr std::size_t kLockstepSegmentBytes = std::size_t{8} << 10;
 }
 
 /// Attention of KV heads [head0, head0 + num_heads), `rows_per_head` query rows each (rows of
-/// head h at rows + (h - head0) * rows_per_head), swept in lockstep: tile i of every head, then
-/// tile i + 1. A paged block stores its KV heads one after another, so one step reads the tile's
-/// blocks whole (num_heads x 4 KiB runs back to back for 16-token half blocks at head_dim 128)
-/// instead of one 4 KiB run per block per pass. Each head's arithmetic is that of attend_rows.
+/// head h at rows + (h - head0) * rows_per_head), over the whole view: one pass over the visible
+/// tiles with an online softmax per head. Writes each row's output. Several heads are swept in
+/// lockstep: tile i of every head, then tile i + 1. A paged block stores its KV heads one after
+/// another, so one step reads the tile's blocks whole (num_heads x 4 KiB runs back to back for
+/// 16-token half blocks at head_dim 128) instead of one 4 KiB run per block per pass. Each head's
+/// arithmetic is the same whatever num_heads is.
 /// @pre num_heads <= kMaxLockstepHeads, rows_per_head <= kRowBlock,
 ///      num_heads * lockstep_stride(rows_per_head, head_dim) <= kLockstepFloats.
 template <class Ops, KVView V>
@@ -424,9 +413,13 @@ void attend_heads(const V& view, std::size_t head0, std::size_t num_heads, const
   std::optional<Sweep<Ops, V>> sweeps[kMaxLockstepHeads];
   const std::size_t floats = lockstep_stride(rows_per_head, view.head_dim());
   for (std::size_t h = 0; h < num_heads; ++h) {
+    // Each step prefetches the next head's keys of the same tile; the last head the first head's
+    // next tile, or, sweeping alone, its own keys kPrefetchTiles tiles on.
+    const bool last = h + 1 == num_heads;
+    const std::size_t lead = !last ? 0 : num_heads == 1 ? kPrefetchTiles : 1;
     sweeps[h].emplace(view, head0 + h, rows + h * rows_per_head, rows_per_head, mask, scale,
-                      softcap, qs + h * floats, acc + h * floats,
-                      h + 1 < num_heads ? head0 + h + 1 : head0, h + 1 < num_heads ? 0 : 1);
+                      softcap, qs + h * floats, acc + h * floats, last ? head0 : head0 + h + 1,
+                      lead);
   }
   for (bool more = true; more;) {
     more = false;
@@ -506,11 +499,7 @@ void run_item(const AttentionTask<V>& t, const TaskSplit& split, position_t firs
                                 first_pos + static_cast<position_t>(token)};
     }
   }
-  if (num_heads == 1) {
-    attend_rows<Ops>(t.view, head0, rows, num_rows, mask, scale, softcap);
-  } else {
-    attend_heads<Ops>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
-  }
+  attend_heads<Ops>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
 }
 
 /// The lockstep width of a call: the widest that still gives every thread its share. Items of
