@@ -5,7 +5,6 @@
 // queries, threads, batch), every query's output must be the same bits as over the same tokens
 // stored contiguously, and match the reference.
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "kvcache/kvcache.hpp"
@@ -29,10 +28,6 @@ constexpr Shape kShapes[] = {{1, 4, 64}, {3, 2, 24}, {8, 4, 128}, {20, 1, 64}, {
 // Lengths of the sequences of one batch: a partial last block, a single token, a whole number of
 // 16-token blocks.
 constexpr std::size_t kLengths[] = {203, 1, 96};
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 }  // namespace
 
@@ -98,10 +93,10 @@ TEMPLATE_TEST_CASE(
               opts.pool = p;
               std::vector<float> got(q.size(), -1.0f);
               cpu::attend(qb, paged.view(0, 0), {got, n, q_heads, dim}, opts, kernel);
-              REQUIRE(same_bits(got, flat));
+              REQUIRE(kvcache::test::same_bits(got, flat));
               std::fill(got.begin(), got.end(), -1.0f);
               cpu::attend(qb, chunked.view(0, 0), {got, n, q_heads, dim}, opts, kernel);
-              REQUIRE(same_bits(got, flat));
+              REQUIRE(kvcache::test::same_bits(got, flat));
             }
             // Same stored K/V on both sides: only fp32 vs double accumulation differs.
             kvcache::test::require_close(flat, expect, {2e-5, 2e-5});
@@ -127,7 +122,7 @@ TEMPLATE_TEST_CASE(
                          << shape.kv_heads);
         std::vector<float> alone(q_heads * dim);
         attend({qs[s], 1, q_heads, dim}, contiguous.view(0, s), {alone, 1, q_heads, dim});
-        REQUIRE(same_bits(outs[s], alone));
+        REQUIRE(kvcache::test::same_bits(outs[s], alone));
       }
     }
   }

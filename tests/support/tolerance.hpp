@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <span>
 #include <sstream>
 #include <string>
@@ -12,6 +13,11 @@
 #include "support/catch.hpp"
 
 namespace kvcache::test {
+
+/// The same floats bit for bit (sizes included): for paths promised to give identical results.
+[[nodiscard]] inline bool same_bits(std::span<const float> a, std::span<const float> b) noexcept {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size_bytes()) == 0;
+}
 
 /// |actual - expected| <= abs + rel * |expected| for every element; NaN never passes.
 struct Tolerance {

@@ -23,7 +23,7 @@ namespace kvcache {
 /// compare that with each key's absolute position from the view. Accumulates in fp32.
 /// Each query's output is the same bits whatever other queries share the call, with or without a
 /// window and sinks (a token decoded alone and the same token inside a prefill chunk agree
-/// exactly), and whether the keys sit in a static, dynamic or paged cache.
+/// exactly), and whether the keys sit in a static, dynamic, paged or sliding-window cache.
 ///
 /// Shapes: q and out [n][num_q_heads][head_dim]; num_q_heads a multiple of the view's
 /// num_kv_heads; head_dim equal to the view's (at most cpu::kMaxHeadDim).

@@ -265,17 +265,21 @@ class Sweep {
   /// Attends the rows over the next tile. @pre !done().
   void step() noexcept {
     // One tile: the visited keys of one cell of kTile positions, in several runs where segments
-    // are shorter than a tile.
+    // are shorter than a tile. The key at position p takes slot p - cell of the tile, as in every
+    // other view of the same tokens: the kernels' lane sums then add the same numbers in the same
+    // order whatever the layout. Slots no key holds (a ring's evicted positions, in the cell of
+    // its oldest key or of the last sinks) are holes: they take a real row and a -inf score.
     KeyRun<T> runs[kTile];
     Prefetch fetch[kTile];
     const T* krows[kTile];  // the tile's K and V rows, wherever their segments put them
     const T* vrows[kTile];
     const std::size_t d = d_;
     std::size_t num_runs = 0, nk = 0;
+    bool holes = false;
     constexpr auto tile = static_cast<position_t>(kTile);
-    const position_t cell_end = (keys_.position() / tile + 1) * tile;
-    while (!keys_.done() && keys_.position() < cell_end) {
-      const KeyRun<T> run = keys_.next(static_cast<std::size_t>(cell_end - keys_.position()));
+    const position_t cell = keys_.position() / tile * tile;
+    while (!keys_.done() && keys_.position() < cell + tile) {
+      const KeyRun<T> run = keys_.next(static_cast<std::size_t>(cell + tile - keys_.position()));
       fetch[num_runs] = {};
       if (!ahead_.done()) {
         const KeyRun<T> a = ahead_.next(run.n);
@@ -283,12 +287,18 @@ class Sweep {
         fetch[num_runs] = {reinterpret_cast<const char*>(a.k), reinterpret_cast<const char*>(a.v),
                            a.n * d * sizeof(T)};
       }
-      for (std::size_t j = 0; j < run.n; ++j) {
-        krows[nk + j] = run.k + j * d;
-        vrows[nk + j] = run.v + j * d;
+      const auto at = static_cast<std::size_t>(run.first - cell);
+      for (std::size_t j = nk; j < at; ++j) {
+        krows[j] = run.k;
+        vrows[j] = run.v;
       }
+      for (std::size_t j = 0; j < run.n; ++j) {
+        krows[at + j] = run.k + j * d;
+        vrows[at + j] = run.v + j * d;
+      }
+      holes = holes || at != nk;
       runs[num_runs++] = run;
-      nk += run.n;
+      nk = at + run.n;
     }
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const position_t t0 = runs[0].first;
@@ -315,8 +325,17 @@ class Sweep {
         if (softcap_ > 0.0f) {
           for (std::size_t j = 0; j < nk; ++j) sr[j] = softcap_ * std::tanh(sr[j] / softcap_);
         }
+        if (holes) {
+          std::size_t filled = 0;  // slots before it are keys or holes already set
+          for (std::size_t i = 0; i < num_runs; ++i) {
+            const auto at = static_cast<std::size_t>(runs[i].first - cell);
+            std::fill(sr + filled, sr + at, neg_inf);
+            filled = at + runs[i].n;
+          }
+        }
         if (cover[r] == TileCover::partial) {
-          for (std::size_t i = 0, at = 0; i < num_runs; at += runs[i++].n) {
+          for (std::size_t i = 0; i < num_runs; ++i) {
+            const auto at = static_cast<std::size_t>(runs[i].first - cell);
             for (std::size_t j = 0; j < runs[i].n; ++j) {
               const position_t pos = runs[i].first + static_cast<position_t>(j);
               if (!mask_.visible(rows_[r0 + r].pos, pos)) sr[at + j] = neg_inf;
