@@ -326,7 +326,7 @@ class Sweep {
           for (std::size_t j = 0; j < nk; ++j) sr[j] = softcap_ * std::tanh(sr[j] / softcap_);
         }
         if (holes) {
-          std::size_t filled = 0;  // slots before it are keys or holes already set
+          std::size_t filled = 0;  // every slot below it holds a key or is a hole already at -inf
           for (std::size_t i = 0; i < num_runs; ++i) {
             const auto at = static_cast<std::size_t>(runs[i].first - cell);
             std::fill(sr + filled, sr + at, neg_inf);
