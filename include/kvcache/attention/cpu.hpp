@@ -3,11 +3,13 @@
 // softmax, tiles of kTile keys, all query heads of one KV head sharing every K/V row read, fp16 and
 // bf16 read directly. Work is split into (sequence, KV head, block of query rows) items that an
 // optional caller-owned ThreadPool runs in parallel. Over views of short segments (paged blocks)
-// one item sweeps several KV heads in lockstep, so that each block is read whole.
+// one item sweeps several KV heads in lockstep, so that each block is read whole. The sweeps see
+// every view through ErasedView: they are compiled once per element type and kernel.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <limits>
 #include <optional>
@@ -157,20 +159,80 @@ struct KeyRun {
   std::size_t n = 0;
 };
 
+/// Segments a KeyWalker fetches from its view at a time.
+inline constexpr std::size_t kSegmentBatch = 8;
+
+/// Any view of element type T, its segments fetched through one function pointer, several at a
+/// time: the sweeps below are compiled once per element type and kernel, however many view types
+/// a program attends over. One indirect call per kSegmentBatch segments (per 128 keys of a paged
+/// view of 16-token blocks) costs nothing next to their K/V reads. Valid while the wrapped view is.
+template <Element T>
+class ErasedView {
+ public:
+  using value_type = T;
+
+  template <KVView V>
+  requires std::same_as<typename V::value_type, T>
+  explicit ErasedView(const V& view) noexcept
+      : view_(&view),
+        fetch_(&fetch_from<V>),
+        num_segments_(view.num_segments()),
+        num_kv_heads_(view.num_kv_heads()),
+        head_dim_(view.head_dim()),
+        length_(view.length()),
+        sink_end_(view.sink_end()),
+        recent_begin_(view.recent_begin()) {}
+
+  [[nodiscard]] std::size_t num_kv_heads() const noexcept { return num_kv_heads_; }
+  [[nodiscard]] std::size_t head_dim() const noexcept { return head_dim_; }
+  [[nodiscard]] position_t length() const noexcept { return length_; }
+  [[nodiscard]] position_t sink_end() const noexcept { return sink_end_; }
+  [[nodiscard]] position_t recent_begin() const noexcept { return recent_begin_; }
+  [[nodiscard]] std::size_t num_segments() const noexcept { return num_segments_; }
+  [[nodiscard]] KVSegment<T> segment(std::size_t i) const noexcept {
+    KVSegment<T> s;
+    fetch_(view_, i, 1, &s);
+    return s;
+  }
+
+  /// Copies segments [first, first + n) to out, n = min(max, num_segments() - first); returns n.
+  /// @pre first < num_segments().
+  std::size_t segments(std::size_t first, std::size_t max, KVSegment<T>* out) const noexcept {
+    const std::size_t n = std::min(max, num_segments_ - first);
+    fetch_(view_, first, n, out);
+    return n;
+  }
+
+ private:
+  template <KVView V>
+  static void fetch_from(const void* view, std::size_t first, std::size_t n,
+                         KVSegment<T>* out) noexcept {
+    const auto& v = *static_cast<const V*>(view);
+    for (std::size_t j = 0; j < n; ++j) out[j] = v.segment(first + j);
+  }
+
+  const void* view_;
+  void (*fetch_)(const void*, std::size_t, std::size_t, KVSegment<T>*) noexcept;
+  std::size_t num_segments_;
+  std::size_t num_kv_heads_;
+  std::size_t head_dim_;
+  position_t length_;
+  position_t sink_end_;
+  position_t recent_begin_;
+};
+
 /// Walks the keys a sweep visits (each segment's visible range), in order and across segment
 /// boundaries, handing them out in runs. Tiles and prefetches follow the keys rather than the
 /// segments, so views of many short segments (paged blocks) cost no more per key than one long
 /// segment does.
-template <KVView V>
+template <Element T>
 class KeyWalker {
  public:
-  using T = typename V::value_type;
-
-  KeyWalker(const V& view, std::size_t kv_head, const VisibleRange& visible) noexcept
+  KeyWalker(const ErasedView<T>& view, std::size_t kv_head, const VisibleRange& visible) noexcept
       : view_(view), kv_head_(kv_head), visible_(visible) {
     if (view_.num_segments() != 0) {
-      seg_ = view_.segment(0);
-      settle(seg_.first_pos);
+      load(0);
+      settle(seg().first_pos);
     }
   }
 
@@ -181,10 +243,11 @@ class KeyWalker {
 
   /// The next min(n, keys left in the current run) keys; moves past them. @pre !done().
   [[nodiscard]] KeyRun<T> next(std::size_t n) noexcept {
+    const KVSegment<T>& s = seg();
     const std::size_t keys = std::min(n, static_cast<std::size_t>(end_ - pos_));
-    const std::size_t offset = seg_.head_stride * kv_head_ +
-                               static_cast<std::size_t>(pos_ - seg_.first_pos) * view_.head_dim();
-    const KeyRun<T> run{seg_.k + offset, seg_.v + offset, pos_, keys};
+    const std::size_t offset =
+        s.head_stride * kv_head_ + static_cast<std::size_t>(pos_ - s.first_pos) * view_.head_dim();
+    const KeyRun<T> run{s.k + offset, s.v + offset, pos_, keys};
     pos_ += static_cast<position_t>(keys);
     if (pos_ == end_) settle(pos_);
     return run;
@@ -203,24 +266,33 @@ class KeyWalker {
   }
 
  private:
+  [[nodiscard]] const KVSegment<T>& seg() const noexcept { return batch_[seg_index_ - first_]; }
+
+  // Fetches the batch of segments starting at segment i.
+  void load(std::size_t i) noexcept {
+    first_ = i;
+    view_.segments(i, kSegmentBatch, batch_);
+  }
+
   // Moves to the first visited key at or after `from` in the current segment, else in the
   // following ones.
   void settle(position_t from) noexcept {
     for (;;) {
-      end_ = seg_.first_pos + static_cast<position_t>(seg_.len);
+      end_ = seg().first_pos + static_cast<position_t>(seg().len);
       visible_.clip(from, pos_, end_);
       if (pos_ < end_) return;
       if (++seg_index_ >= view_.num_segments()) return;
-      seg_ = view_.segment(seg_index_);
-      from = seg_.first_pos;
+      if (seg_index_ - first_ == kSegmentBatch) load(seg_index_);
+      from = seg().first_pos;
     }
   }
 
-  const V& view_;
+  const ErasedView<T>& view_;
   std::size_t kv_head_;
   VisibleRange visible_;
   std::size_t seg_index_ = 0;
-  KVSegment<T> seg_{};
+  std::size_t first_ = 0;  // the index of batch_[0]
+  KVSegment<T> batch_[kSegmentBatch];
   position_t pos_ = 0;
   position_t end_ = 0;
 };
@@ -229,17 +301,15 @@ class KeyWalker {
 /// the view's visible keys, one tile of kTile keys per step(). The caller owns the scaled queries
 /// and the output accumulators ([num_rows][head_dim] floats each), so that the sweeps of several
 /// KV heads can share one stack frame and run in lockstep (attend_heads).
-template <class Ops, KVView V>
+template <class Ops, Element T>
 class Sweep {
  public:
-  using T = typename V::value_type;
-
   /// Each step prefetches the keys of KV head `ahead_head`, `lead_tiles` tiles after the step's
   /// own: the sweep's own keys further on when it runs alone, the next head's keys of the same
   /// tile when sweeps run in lockstep.
   /// @pre 1 <= num_rows <= kRowBlock; qs and acc hold num_rows * head_dim floats, 64-byte aligned;
   /// view, rows and mask outlive the sweep.
-  Sweep(const V& view, std::size_t kv_head, const Row* rows, std::size_t num_rows,
+  Sweep(const ErasedView<T>& view, std::size_t kv_head, const Row* rows, std::size_t num_rows,
         const kvcache::detail::Mask& mask, float scale, float softcap, float* qs, float* acc,
         std::size_t ahead_head, std::size_t lead_tiles) noexcept
       : rows_(rows),
@@ -391,11 +461,11 @@ class Sweep {
   alignas(64) float s_[kSubRows * kTile];
   float row_max_[kRowBlock];
   float row_sum_[kRowBlock];
-  KeyWalker<V> keys_;
+  KeyWalker<T> keys_;
   // The K/V rows fetched while this tile computes. The micro-kernel spreads the prefetches over
   // its loop: one burst would stall on the line-fill buffers, and the V tile's column-wise reads
   // leave the hardware prefetchers behind.
-  KeyWalker<V> ahead_;
+  KeyWalker<T> ahead_;
 };
 
 /// Most KV heads one lockstep work item sweeps together.
@@ -423,13 +493,13 @@ inline constexpr std::size_t kLockstepSegmentBytes = std::size_t{8} << 10;
 /// arithmetic is the same whatever num_heads is.
 /// @pre num_heads <= kMaxLockstepHeads, rows_per_head <= kRowBlock,
 ///      num_heads * lockstep_stride(rows_per_head, head_dim) <= kLockstepFloats.
-template <class Ops, KVView V>
-void attend_heads(const V& view, std::size_t head0, std::size_t num_heads, const Row* rows,
-                  std::size_t rows_per_head, const kvcache::detail::Mask& mask, float scale,
-                  float softcap) noexcept {
+template <class Ops, Element T>
+void attend_heads(const ErasedView<T>& view, std::size_t head0, std::size_t num_heads,
+                  const Row* rows, std::size_t rows_per_head, const kvcache::detail::Mask& mask,
+                  float scale, float softcap) noexcept {
   alignas(64) float qs[kLockstepFloats];
   alignas(64) float acc[kLockstepFloats];
-  std::optional<Sweep<Ops, V>> sweeps[kMaxLockstepHeads];
+  std::optional<Sweep<Ops, T>> sweeps[kMaxLockstepHeads];
   const std::size_t floats = lockstep_stride(rows_per_head, view.head_dim());
   for (std::size_t h = 0; h < num_heads; ++h) {
     // Each step prefetches the next head's keys of the same tile; the last head the first head's
@@ -497,11 +567,13 @@ template <KVView V>
 }
 
 /// Runs work item `item` of task `t` split as `split`: KV heads [item / blocks * heads, + heads),
-/// row block item % blocks. Rows are ordered token-major (row = token * group + head-in-group).
-template <class Ops, KVView V>
-void run_item(const AttentionTask<V>& t, const TaskSplit& split, position_t first_pos,
-              std::size_t item, const kvcache::detail::Mask& mask, float scale,
-              float softcap) noexcept {
+/// row block item % blocks, with micro-kernels `kernel` (avx512, avx2 or portable). Rows are
+/// ordered token-major (row = token * group + head-in-group). Takes the view erased, so that the
+/// sweeps are compiled once per element type, not once per view type.
+template <Element T>
+void run_item(Kernel kernel, const AttentionTask<ErasedView<T>>& t, const TaskSplit& split,
+              position_t first_pos, std::size_t item, const kvcache::detail::Mask& mask,
+              float scale, float softcap) noexcept {
   const std::size_t heads = t.view.num_kv_heads();
   const std::size_t group = t.q.num_heads / heads;
   const std::size_t rows_per = rows_per_head(t);
@@ -518,7 +590,18 @@ void run_item(const AttentionTask<V>& t, const TaskSplit& split, position_t firs
                                 first_pos + static_cast<position_t>(token)};
     }
   }
-  attend_heads<Ops>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
+  switch (kernel) {
+#if KVCACHE_X86_DISPATCH
+    case Kernel::avx512:
+      attend_heads<Avx512Ops<T>>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
+      return;
+    case Kernel::avx2:
+      attend_heads<Avx2Ops<T>>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
+      return;
+#endif
+    default:
+      attend_heads<PortableOps<T>>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
+  }
 }
 
 /// The lockstep width of a call: the widest that still gives every thread its share. Items of
@@ -546,9 +629,10 @@ template <KVView V>
   return best;
 }
 
-template <template <class> class Ops, KVView V>
-void run_tasks(std::span<const AttentionTask<V>> tasks, std::span<const position_t> first_pos,
-               const AttentionOptions& opts) {
+/// Runs every task with micro-kernels `kernel` (avx512, avx2 or portable).
+template <KVView V>
+void run_tasks(Kernel kernel, std::span<const AttentionTask<V>> tasks,
+               std::span<const position_t> first_pos, const AttentionOptions& opts) {
   using T = typename V::value_type;
   const kvcache::detail::Mask mask{opts.causal, static_cast<position_t>(opts.window),
                                    static_cast<position_t>(opts.num_sink_tokens)};
@@ -573,7 +657,8 @@ void run_tasks(std::span<const AttentionTask<V>> tasks, std::span<const position
     const auto& t = tasks[i];
     const float scale =
         opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(t.view.head_dim()));
-    run_item<Ops<T>>(t, split, first_pos[i], global, mask, scale, opts.softcap);
+    const AttentionTask<ErasedView<T>> erased{t.q, ErasedView<T>(t.view), t.out, t.query_pos};
+    run_item(kernel, erased, split, first_pos[i], global, mask, scale, opts.softcap);
   };
   if (parallel && total_items > 1) {
     opts.pool->parallel_for(total_items, run);
@@ -649,17 +734,13 @@ void attend_batch(std::span<const AttentionTask<V>> tasks, const AttentionOption
     throw shape_error(
         "attend: the avx512 kernel needs a CPU with AVX-512F and head_dim a multiple of 16");
   }
-#if KVCACHE_X86_DISPATCH
+  Kernel run = Kernel::portable;
   if ((kernel == Kernel::automatic || kernel == Kernel::avx512) && all_avx512) {
-    detail::run_tasks<detail::Avx512Ops>(tasks, first, opts);
-    return;
+    run = Kernel::avx512;
+  } else if (kernel != Kernel::portable && all_avx2) {
+    run = Kernel::avx2;
   }
-  if (kernel != Kernel::portable && all_avx2) {
-    detail::run_tasks<detail::Avx2Ops>(tasks, first, opts);
-    return;
-  }
-#endif
-  detail::run_tasks<detail::PortableOps>(tasks, first, opts);
+  detail::run_tasks(run, tasks, first, opts);
 }
 
 /// attend_batch() for one sequence.
