@@ -37,7 +37,7 @@ else
   [ -d .gpu/deps ] && prefix_path="$PWD/.gpu/deps${prefix_path:+;$prefix_path}"
   bash scripts/cuda-build.sh "$build" -DCMAKE_PREFIX_PATH="$prefix_path"
   echo "=== [$((SECONDS - start))s] CUDA tests"
-  ctest --test-dir "$build" -L cuda --output-on-failure || tests_rc=$?
+  ctest --test-dir "$build" -L '^cuda$' --output-on-failure || tests_rc=$?
   bench_bin="$build/bench/cuda_attention_bench"
 fi
 echo "=== [$((SECONDS - start))s] CUDA benchmark"
