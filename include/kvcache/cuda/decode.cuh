@@ -301,6 +301,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       s[lane] = p[0];
       s[lane + 32] = p[1];
       const float tile_sum = warp_sum(p[0] + p[1]);
+      __syncwarp();  // every lane has read m_s[g] before lane 0 overwrites it
       if (lane == 0) {
         m_s[g] = m_new;
         l_s[g] = l_s[g] * correction + tile_sum;

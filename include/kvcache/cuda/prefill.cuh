@@ -214,6 +214,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
       p_s[r * L::kLdP + lane] = Traits::from_float(p[0]);
       p_s[r * L::kLdP + lane + 32] = Traits::from_float(p[1]);
       const float sum = warp_sum(p[0] + p[1]);
+      __syncwarp();  // every lane has read m_s[r] before lane 0 overwrites it
       if (lane == 0) {
         m_s[r] = m_new;
         l_s[r] = l_s[r] * correction + sum;
