@@ -58,6 +58,26 @@ __host__ __device__ constexpr int decode_stages() {
   return decode_smem_bytes<T>(D, kMaxGroup, 2) <= kMaxSmemBytes ? 2 : 1;
 }
 
+/// The query heads a decode kernel instantiation is unrolled for: the fewest of 4, 8 and 16 that
+/// holds a block's `chunk_group` heads. The p.V accumulators are unrolled over them, so a block
+/// serving 4 heads does not carry (and step over) the registers and guards of 16.
+__host__ __device__ constexpr int decode_head_bucket(int chunk_group) {
+  return chunk_group <= 4 ? 4 : chunk_group <= 8 ? 8 : kMaxGroup;
+}
+
+/// Calls f(std::integral_constant<int, G>{}) for G = decode_head_bucket(chunk_group).
+template <class F>
+void dispatch_head_bucket(int chunk_group, F&& f) {
+  switch (decode_head_bucket(chunk_group)) {
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 8:
+      return f(std::integral_constant<int, 8>{});
+    default:
+      return f(std::integral_constant<int, kMaxGroup>{});
+  }
+}
+
 /// Converts the 16 bytes at p (8 half/bf16 or 4 floats) to floats.
 template <Element T>
 __device__ __forceinline__ void load16(const T* p, float* out) {
@@ -185,8 +205,9 @@ __device__ __forceinline__ void for_each_kv_tile(std::int64_t first, std::int64_
 /// consecutive padded rows without bank conflicts; an online-softmax update per query head (one
 /// warp per head); then p.V accumulated in registers by (query head, dim) threads. Writes the
 /// normalised output when num_splits == 1, else the unnormalised partial (acc, m, l) that
-/// decode_merge_kernel combines.
-template <Element T, int D>
+/// decode_merge_kernel combines. G = decode_head_bucket(chunk_group): the heads the p.V
+/// accumulators are unrolled for.
+template <Element T, int D, int G>
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_kernel(DeviceKVView<T> view, const float* __restrict__ q,
                             float* __restrict__ out, float* __restrict__ partial_acc,
@@ -197,7 +218,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr int kStages = decode_stages<T, D>();
   static_assert(decode_smem_bytes<T>(D, kMaxGroup, kStages) <= kMaxSmemBytes);
   constexpr int kRowStride = tile_row_bytes<T>(D);
-  constexpr int kPairs = kMaxGroup * (D / 2) / kDecodeThreads;  // float2 accumulators per thread
+  static_assert(G <= kMaxGroup && G * (D / 2) % kDecodeThreads == 0);
+  constexpr int kPairs = G * (D / 2) / kDecodeThreads;  // float2 accumulators per thread
   constexpr int kElemsPer16 = 16 / static_cast<int>(sizeof(T));
   const int split = blockIdx.x, seq = blockIdx.z;
   const int group = num_q_heads / view.num_kv_heads;
@@ -495,20 +517,23 @@ struct DecodeSetup {
 
 namespace detail {
 
-/// Queries the current device for decode_attention_kernel<T, D> serving `group` query heads per
-/// KV head, raising its shared-memory limit there. @throws cuda_error.
+/// Queries the current device for decode_attention_kernel<T, D, G> serving `group` query heads
+/// per KV head, raising its shared-memory limit there. @throws cuda_error.
 template <Element T, int D>
 DecodeSetup query_decode_setup(int group) {
   DecodeSetup setup{.dtype = dtype_of<T>, .head_dim = D, .group = group};
   check(cudaGetDevice(&setup.device), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&setup.num_sms, cudaDevAttrMultiProcessorCount, setup.device),
         "cudaDeviceGetAttribute(multiProcessorCount)");
-  setup.smem_bytes = decode_smem_bytes<T>(D, decode_chunk_group(group), decode_stages<T, D>());
-  auto kernel = decode_attention_kernel<T, D>;
-  allow_smem(kernel, setup.smem_bytes);
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&setup.blocks_per_sm, kernel, kDecodeThreads,
-                                                      setup.smem_bytes),
-        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const int chunk_group = decode_chunk_group(group);
+  setup.smem_bytes = decode_smem_bytes<T>(D, chunk_group, decode_stages<T, D>());
+  dispatch_head_bucket(chunk_group, [&](auto g) {
+    auto kernel = decode_attention_kernel<T, D, decltype(g)::value>;
+    allow_smem(kernel, setup.smem_bytes);
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&setup.blocks_per_sm, kernel,
+                                                        kDecodeThreads, setup.smem_bytes),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  });
   setup.blocks_per_sm = std::max(setup.blocks_per_sm, 1);
   return setup;
 }
