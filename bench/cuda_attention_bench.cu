@@ -3,8 +3,10 @@
 // the host's launch work overlaps the device's, as in a decode loop): decode attention (batch 32,
 // 32 query / 8 KV heads, head_dim 128, fp16 K/V) over paged (block 16) and contiguous caches at
 // 4k/16k/32k context, as achieved bandwidth (K+V bytes read / time) next to a device-to-device copy
-// measured in the same run; and prefill of 2048 new tokens against a 2048-token cached prefix, as
-// TFLOP/s; and batch-1 decode with and without a DecodeSetup (the host's share of a short launch).
+// measured in the same run, and next to the decode kernel's tile loads alone (what its memory
+// pipeline allows without the arithmetic); and prefill of 2048 new tokens against a 2048-token
+// cached prefix, as TFLOP/s; and batch-1 decode with and without a DecodeSetup (the host's share of
+// a short launch).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -88,8 +90,41 @@ void fill(kcuda::DeviceCache<half>& cache, int batch, int context) {
   kcuda::check(cudaDeviceSynchronize(), "fill");
 }
 
+/// The decode kernel's memory pipeline without its arithmetic: the same grid, shared memory,
+/// tiles and cp.async copies (load_kv_tile through for_each_kv_tile), each tile only touched (one
+/// element summed, so that the copies must land). Its bandwidth is what decode's loads allow.
+template <int D>
+__global__ void __launch_bounds__(kcuda::kDecodeThreads)
+    tile_loads_kernel(kcuda::DeviceKVView<half> view, std::int64_t keys_per_split, float* sink) {
+  namespace kd = kcuda::detail;
+  constexpr int kStages = kd::decode_stages<half, D>();
+  constexpr int kTileBytes = kcuda::kDecodeTile * kd::tile_row_bytes<half>(D);
+  extern __shared__ __align__(128) unsigned char smem[];
+  char* tiles = reinterpret_cast<char*>(smem);  // K[stages] then V[stages], as in decode
+  auto* pos = reinterpret_cast<std::int64_t*>(tiles + 2 * kStages * kTileBytes);
+  const int seq = blockIdx.z, kv_head = blockIdx.y;
+  const kd::KeyRange keys = kd::key_range(view, seq);
+  const std::int64_t begin = blockIdx.x * keys_per_split;
+  const std::int64_t end =
+      keys.count() < begin + keys_per_split ? keys.count() : begin + keys_per_split;
+  float touched = 0.0f;
+  kd::for_each_kv_tile<kStages>(
+      begin, kcuda::kDecodeTile, [&](std::int64_t i) { return i < end; },
+      [&](std::int64_t i, int b) {
+        kd::load_kv_tile<half, D, kcuda::kDecodeThreads, kcuda::kDecodeTile>(
+            view, seq, kv_head, keys, i, end, tiles + b * kTileBytes,
+            tiles + (kStages + b) * kTileBytes, pos + b * kcuda::kDecodeTile, threadIdx.x);
+      },
+      [&](std::int64_t, int b) {
+        touched +=
+            __half2float(reinterpret_cast<const __half*>(tiles + b * kTileBytes)[threadIdx.x]);
+      });
+  if (threadIdx.x == 0)
+    sink[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = touched;
+}
+
 struct DecodeResult {
-  double bandwidth, ms;
+  double bandwidth, ms, loads_bandwidth;
   int splits, blocks_per_sm;
   std::size_t smem_bytes;
 };
@@ -126,20 +161,36 @@ struct DecodeBench {
                                 .decode_setup = with_setup ? &setup : nullptr});
   }
 
+  /// tile_loads_kernel over the same cache, grid and shared memory as run().
+  void run_loads() {
+    const auto view = cache.view(0);
+    const auto plan = kcuda::detail::plan_decode(setup, batch, kKvHeads, view.max_keys);
+    const dim3 grid(static_cast<unsigned>(plan.splits), kKvHeads, static_cast<unsigned>(batch));
+    if (sink.size() < grid.x * grid.y * grid.z)
+      sink = kcuda::DeviceBuffer<float>(grid.x * grid.y * grid.z);
+    kcuda::detail::allow_smem(tile_loads_kernel<kDim>, setup.smem_bytes);
+    tile_loads_kernel<kDim>
+        <<<grid, kcuda::kDecodeThreads, setup.smem_bytes>>>(view, plan.keys_per_split, sink.data());
+    kcuda::check_launch("tile_loads_kernel");
+  }
+
   int batch;
   kcuda::DeviceCache<half> cache;
   kcuda::DeviceBuffer<float> q, out;
   kcuda::DecodeSetup setup;
   kcuda::DeviceBuffer<unsigned char> ws;
+  kcuda::DeviceBuffer<float> sink;
 };
 
 DecodeResult decode(kcuda::Layout layout, int context) {
   DecodeBench b(layout, kBatch, context);
   const float ms = time_ms([&] { b.run(); }, /*batch=*/10);
+  const float loads_ms = time_ms([&] { b.run_loads(); }, /*batch=*/10);
   const double bytes = 2.0 * kBatch * static_cast<double>(context) * kKvHeads * kDim * sizeof(half);
   // the launch's shape, for reading the figure: splits per sequence and resident blocks
   const auto plan = kcuda::detail::plan_decode(b.setup, kBatch, kKvHeads, b.cache.view(0).max_keys);
-  return {bytes / (ms * 1e-3), ms, plan.splits, b.setup.blocks_per_sm, b.setup.smem_bytes};
+  return {bytes / (ms * 1e-3), ms, bytes / (loads_ms * 1e-3), plan.splits, b.setup.blocks_per_sm,
+          b.setup.smem_bytes};
 }
 
 /// Host microseconds to issue one launch (100 issued back to back, then synchronised).
@@ -222,14 +273,15 @@ int main() {
   std::printf("device-to-device copy: %.0f GB/s (bytes read + written)\n\n", copy / 1e9);
   std::printf("decode attention, batch %d, %d q heads / %d kv heads, head_dim %d, fp16 K/V\n",
               kBatch, kQHeads, kKvHeads, kDim);
-  std::printf("%-11s %8s %10s %10s %12s %7s %10s %9s\n", "layout", "context", "ms", "GB/s",
-              "/ copy bw", "splits", "blocks/SM", "smem KiB");
+  std::printf("%-11s %8s %10s %10s %12s %12s %12s %7s %10s %9s\n", "layout", "context", "ms",
+              "GB/s", "/ copy bw", "loads GB/s", "loads / copy", "splits", "blocks/SM", "smem KiB");
   for (kcuda::Layout layout : {kcuda::Layout::paged, kcuda::Layout::contiguous}) {
     for (int context : {4096, 16384, 32768}) {
       const DecodeResult r = decode(layout, context);
-      std::printf("%-11s %8d %10.3f %10.0f %12.3f %7d %10d %9.1f\n",
+      std::printf("%-11s %8d %10.3f %10.0f %12.3f %12.0f %12.3f %7d %10d %9.1f\n",
                   layout == kcuda::Layout::paged ? "paged/16" : "contiguous", context, r.ms,
-                  r.bandwidth / 1e9, r.bandwidth / copy, r.splits, r.blocks_per_sm,
+                  r.bandwidth / 1e9, r.bandwidth / copy, r.loads_bandwidth / 1e9,
+                  r.loads_bandwidth / copy, r.splits, r.blocks_per_sm,
                   static_cast<double>(r.smem_bytes) / 1024.0);
     }
   }
