@@ -109,13 +109,21 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
     const dim3 grid(static_cast<unsigned>(plan.splits),
                     static_cast<unsigned>(view.num_kv_heads * plan.num_chunks),
                     static_cast<unsigned>(view.num_seqs));
-    detail::dispatch_head_bucket(plan.chunk_group, [&](auto g) {
-      constexpr int G = decltype(g)::value;
-      detail::decode_attention_kernel<T, D, G><<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(
+    if constexpr (std::is_same_v<T, float>) {
+      detail::dispatch_head_bucket(plan.chunk_group, [&](auto g) {
+        constexpr int G = decltype(g)::value;
+        detail::decode_attention_kernel<T, D, G>
+            <<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(
+                view, q, out, partial_acc, partial_ml, num_q_heads, plan.chunk_group, plan.splits,
+                plan.keys_per_split, detail::device_mask(opts), scale, opts.softcap);
+        check_launch("kvcache::cuda::decode_attention_kernel");
+      });
+    } else {  // fp16/bf16 K/V: q.k and p.V on tensor cores
+      detail::decode_attention_mma_kernel<T, D><<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(
           view, q, out, partial_acc, partial_ml, num_q_heads, plan.chunk_group, plan.splits,
           plan.keys_per_split, detail::device_mask(opts), scale, opts.softcap);
-      check_launch("kvcache::cuda::decode_attention_kernel");
-    });
+      check_launch("kvcache::cuda::decode_attention_mma_kernel");
+    }
     if (plan.splits > 1) {
       const dim3 merge_grid(static_cast<unsigned>(view.num_seqs),
                             static_cast<unsigned>(num_q_heads));

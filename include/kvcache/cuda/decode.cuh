@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cuda_pipeline.h>
+#include <mma.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -57,6 +58,34 @@ template <Element T, int D>
 __host__ __device__ constexpr int decode_stages() {
   return decode_smem_bytes<T>(D, kMaxGroup, 2) <= kMaxSmemBytes ? 2 : 1;
 }
+
+/// Tensor-core operand types for a cache element type.
+template <Element T>
+struct MmaTraits;
+template <>
+struct MmaTraits<kvcache::half> {
+  using storage = __half;  // shared-memory element (bit-identical to kvcache::half)
+  using operand = __half;  // wmma fragment element
+  static constexpr int kK = 16;
+  __device__ static storage from_float(float x) { return __float2half_rn(x); }
+  __device__ static float to_float(storage x) { return __half2float(x); }
+};
+template <>
+struct MmaTraits<kvcache::bfloat16> {
+  using storage = __nv_bfloat16;
+  using operand = __nv_bfloat16;
+  static constexpr int kK = 16;
+  __device__ static storage from_float(float x) { return __float2bfloat16_rn(x); }
+  __device__ static float to_float(storage x) { return __bfloat162float(x); }
+};
+template <>
+struct MmaTraits<float> {
+  using storage = float;
+  using operand = nvcuda::wmma::precision::tf32;
+  static constexpr int kK = 8;
+  __device__ static storage from_float(float x) { return x; }
+  __device__ static float to_float(storage x) { return x; }
+};
 
 /// The query heads a decode kernel instantiation is unrolled for: the fewest of 4, 8 and 16 that
 /// holds a block's `chunk_group` heads. The p.V accumulators are unrolled over them, so a block
@@ -392,6 +421,244 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
+/// Shared memory of decode_attention_mma_kernel<T, D> with kStages K/V buffers (byte offsets,
+/// each region 128-byte aligned for the tensor-core loads). Heads are padded to kMaxGroup (the
+/// fragments' 16 columns); rows of absent heads stay zero.
+template <Element T, int D, int kStages>
+struct DecodeMmaLayout {
+  using S = typename MmaTraits<T>::storage;
+  /// fp32 values are split into this many parts of S (hi + lo: 22 bits for fp16; hi + mid + lo:
+  /// 24 bits for bf16), so that tensor-core products keep fp32 accuracy.
+  static constexpr int kParts = std::is_same_v<T, kvcache::half> ? 2 : 3;
+  static constexpr int kStageCount = kStages;
+  static constexpr int kLdKV = D + 8;           // K/V tile rows (tile_row_bytes), elements
+  static constexpr int kLdQ = D + 8;            // q parts [kParts][16 heads][D + 8]
+  static constexpr int kLdS = kDecodeTile + 4;  // scores [16 heads][64 + 4] (float)
+  static constexpr int kLdP = kDecodeTile + 8;  // p parts [kParts][16 heads][64 + 8]
+  static constexpr int kLdO = D + 4;            // output accumulator [16 heads][D + 4]
+  static constexpr std::size_t align(std::size_t n) { return (n + 127) / 128 * 128; }
+  static constexpr std::size_t kTile = sizeof(S) * kDecodeTile * kLdKV;
+  static constexpr std::size_t kK = 0;
+  static constexpr std::size_t kV = kK + kStages * kTile;
+  static constexpr std::size_t kPos = kV + kStages * kTile;
+  static constexpr std::size_t kQ = align(kPos + kStages * kDecodeTile * sizeof(std::int64_t));
+  static constexpr std::size_t kS = align(kQ + kParts * sizeof(S) * kMaxGroup * kLdQ);
+  static constexpr std::size_t kP = align(kS + sizeof(float) * kMaxGroup * kLdS);
+  static constexpr std::size_t kO = align(kP + kParts * sizeof(S) * kMaxGroup * kLdP);
+  static constexpr std::size_t kStats = align(kO + sizeof(float) * kMaxGroup * kLdO);
+  static constexpr std::size_t kBytes =
+      kStats + (3 * kMaxGroup + kDecodeThreads / 32) * sizeof(float);  // m, l, corr; warp maxima
+  static_assert(tile_row_bytes<T>(D) == kLdKV * static_cast<int>(sizeof(S)));
+};
+
+/// The tensor-core decode kernel's layout: K/V double-buffered wherever that fits.
+template <Element T, int D>
+using DecodeMmaSmem = std::conditional_t<DecodeMmaLayout<T, D, 2>::kBytes <= kMaxSmemBytes,
+                                         DecodeMmaLayout<T, D, 2>, DecodeMmaLayout<T, D, 1>>;
+
+/// Decode attention for fp16/bf16 K/V on tensor cores: the grid, tiles, key lists, online
+/// softmax and outputs of decode_attention_kernel, with q.k and p.V as 16 x 16 x 16 wmma
+/// products in fp32 accumulators. q (times scale and a power of two that puts its largest
+/// element near 2^12, undone exactly on the scores) and p are split into kParts fp16/bf16 parts,
+/// so the products carry ~22-24 bits of q and p, not 11 or 8. Per tile: warp w computes the
+/// scores of keys [16w, 16w + 16) for all (up to 16) heads; one warp per head updates the
+/// softmax; warp w rescales and accumulates dims [w D/4, (w + 1) D/4) of p.V for all heads.
+template <Element T, int D>
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_attention_mma_kernel(DeviceKVView<T> view, const float* __restrict__ q,
+                                float* __restrict__ out, float* __restrict__ partial_acc,
+                                float* __restrict__ partial_ml, int num_q_heads, int chunk_group,
+                                int num_splits, std::int64_t keys_per_split, DeviceMask mask,
+                                float scale, float softcap) {
+  namespace wmma = nvcuda::wmma;
+  using Traits = MmaTraits<T>;
+  using S = typename Traits::storage;
+  using L = DecodeMmaSmem<T, D>;
+  constexpr int kStages = L::kStageCount;
+  constexpr int kParts = L::kParts;
+  constexpr int kWarps = kDecodeThreads / 32;
+  constexpr int kWarpDims = D / kWarps;  // p.V dims per warp: 16, 32 or 64
+  static_assert(kDecodeTile == 16 * kWarps && kWarpDims % 16 == 0);
+  static_assert(L::kBytes <= kMaxSmemBytes);
+  const int split = blockIdx.x, seq = blockIdx.z;
+  const int group = num_q_heads / view.num_kv_heads;
+  const int num_chunks = (group + chunk_group - 1) / chunk_group;
+  const int kv_head = blockIdx.y / num_chunks, chunk = blockIdx.y % num_chunks;
+  const int h0 = kv_head * group + chunk * chunk_group;
+  const int ng = min(chunk_group, group - chunk * chunk_group);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  auto k_at = [&](int b) { return smem + L::kK + b * L::kTile; };
+  auto v_at = [&](int b) { return smem + L::kV + b * L::kTile; };
+  auto pos_at = [&](int b) {
+    return reinterpret_cast<std::int64_t*>(smem + L::kPos) + b * kDecodeTile;
+  };
+  S* q_s = reinterpret_cast<S*>(smem + L::kQ);  // [kParts][16][kLdQ]
+  float* s_s = reinterpret_cast<float*>(smem + L::kS);
+  S* p_s = reinterpret_cast<S*>(smem + L::kP);  // [kParts][16][kLdP]
+  float* o_s = reinterpret_cast<float*>(smem + L::kO);
+  float* m_s = reinterpret_cast<float*>(smem + L::kStats);
+  float* l_s = m_s + kMaxGroup;
+  float* corr_s = l_s + kMaxGroup;
+  float* warp_max_s = corr_s + kMaxGroup;  // [kWarps]
+
+  const std::int64_t qpos = view.length[seq] - 1;
+  const KeyRange keys = visible_keys(key_range(view, seq), mask, qpos);
+  const std::int64_t count = keys.count();
+  const std::int64_t begin = split * keys_per_split;
+  const std::int64_t end = split + 1 == num_splits ? count : min(count, begin + keys_per_split);
+
+  // q's largest magnitude (times scale) picks the power of two that scales it near 2^12: inside
+  // fp16's range, clear of its subnormals, and exact to undo
+  float amax = 0.0f;
+  for (int i = tid; i < ng * D; i += kDecodeThreads) {
+    const float x = q[(static_cast<std::int64_t>(seq) * num_q_heads + h0 + i / D) * D + i % D];
+    amax = fmaxf(amax, fabsf(x * scale));
+  }
+  amax = warp_max(amax);
+  if (lane == 0) warp_max_s[warp] = amax;
+  // zero what no tile writes: absent heads' q and p rows (their scores and outputs are unused)
+  for (int i = tid; i < kParts * kMaxGroup * L::kLdP; i += kDecodeThreads) p_s[i] = S{};
+  for (int i = tid; i < kMaxGroup * L::kLdO; i += kDecodeThreads) o_s[i] = 0.0f;
+  for (int g = tid; g < kMaxGroup; g += kDecodeThreads) {
+    m_s[g] = -INFINITY;
+    l_s[g] = 0.0f;
+  }
+  __syncthreads();
+  float block_max = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) block_max = fmaxf(block_max, warp_max_s[w]);
+  // 2^(12 - e) for block_max in [2^e, 2^(e+1)) (e >= -114, so that both powers are normal
+  // floats); 1 for zero, subnormal, inf or NaN
+  const int e = max(static_cast<int>((__float_as_uint(block_max) >> 23) & 0xff) - 127, -114);
+  const bool rescale = block_max >= 1.17549435e-38f && block_max <= 3.40282347e38f;
+  const float factor = rescale ? __uint_as_float(static_cast<unsigned>(12 - e + 127) << 23) : 1.0f;
+  const float unscale = rescale ? __uint_as_float(static_cast<unsigned>(e - 12 + 127) << 23) : 1.0f;
+  for (int i = tid; i < kMaxGroup * D; i += kDecodeThreads) {
+    const int g = i / D, d = i % D;
+    float x =
+        g < ng ? q[(static_cast<std::int64_t>(seq) * num_q_heads + h0 + g) * D + d] * scale * factor
+               : 0.0f;
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      const S piece = Traits::from_float(x);
+      q_s[(part * kMaxGroup + g) * L::kLdQ + d] = piece;
+      x -= Traits::to_float(piece);
+    }
+  }
+
+  auto load = [&](std::int64_t i, int b) {
+    load_kv_tile<T, D, kDecodeThreads, kDecodeTile>(
+        view, seq, kv_head, keys, i, end, reinterpret_cast<char*>(k_at(b)),
+        reinterpret_cast<char*>(v_at(b)), pos_at(b), tid);
+  };
+  // q_s, p_s, o_s, m_s, l_s are initialised before the first compute (a barrier precedes it)
+  auto compute = [&](std::int64_t, int buf) {
+    const S* k_s = reinterpret_cast<const S*>(k_at(buf));
+    const S* v_s = reinterpret_cast<const S*>(v_at(buf));
+    const std::int64_t* pos_s = pos_at(buf);
+    {  // scores of keys [16w, 16w + 16) x 16 heads: s_s[head][key]
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+      for (int kk = 0; kk < D; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, S, wmma::row_major> a;
+        wmma::load_matrix_sync(a, k_s + warp * 16 * L::kLdKV + kk, L::kLdKV);
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, S, wmma::col_major> b;
+          wmma::load_matrix_sync(b, q_s + part * kMaxGroup * L::kLdQ + kk, L::kLdQ);
+          wmma::mma_sync(acc, a, b, acc);
+        }
+      }
+      wmma::store_matrix_sync(s_s + warp * 16, acc, L::kLdS, wmma::mem_col_major);
+    }
+    __syncthreads();
+    for (int g = warp; g < ng; g += kWarps) {  // online softmax, warp per head
+      float sc[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = lane + 32 * h;
+        const std::int64_t pos = pos_s[j];
+        sc[h] = transform_score(s_s[g * L::kLdS + j] * unscale, softcap,
+                                pos >= 0 && mask.visible(qpos, pos));
+      }
+      const float tile_max = warp_max(fmaxf(sc[0], sc[1]));
+      const float m_old = m_s[g];
+      const float m_new = fmaxf(m_old, tile_max);
+      float p[2] = {0.0f, 0.0f}, correction = 1.0f;
+      if (m_new != -INFINITY) {
+        correction = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) p[h] = sc[h] == -INFINITY ? 0.0f : __expf(sc[h] - m_new);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float x = p[h];
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) {
+          const S piece = Traits::from_float(x);
+          p_s[(part * kMaxGroup + g) * L::kLdP + lane + 32 * h] = piece;
+          x -= Traits::to_float(piece);
+        }
+      }
+      const float tile_sum = warp_sum(p[0] + p[1]);
+      __syncwarp();  // every lane has read m_s[g] before lane 0 overwrites it
+      if (lane == 0) {
+        m_s[g] = m_new;
+        l_s[g] = l_s[g] * correction + tile_sum;
+        corr_s[g] = correction;
+      }
+    }
+    __syncthreads();
+    // rescale this warp's dims of the accumulator, then add p.V for them
+    const int d0 = warp * kWarpDims;
+    for (int i = lane; i < ng * kWarpDims; i += 32) {
+      const int g = i / kWarpDims, d = d0 + i % kWarpDims;
+      o_s[g * L::kLdO + d] *= corr_s[g];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < kWarpDims; m += 16) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+      wmma::load_matrix_sync(o, o_s + d0 + m, L::kLdO, wmma::mem_col_major);
+#pragma unroll
+      for (int kk = 0; kk < kDecodeTile; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, S, wmma::col_major> a;  // V^T: dims x keys
+        wmma::load_matrix_sync(a, v_s + kk * L::kLdKV + d0 + m, L::kLdKV);
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, S, wmma::col_major> b;  // p^T: keys x heads
+          wmma::load_matrix_sync(b, p_s + part * kMaxGroup * L::kLdP + kk, L::kLdP);
+          wmma::mma_sync(o, a, b, o);
+        }
+      }
+      wmma::store_matrix_sync(o_s + d0 + m, o, L::kLdO, wmma::mem_col_major);
+    }
+  };
+  // ends after a barrier: o_s, m_s, l_s of every warp (also when this split has no keys)
+  for_each_kv_tile<kStages>(
+      begin, kDecodeTile, [&](std::int64_t i) { return i < end; }, load, compute);
+
+  for (int i = tid; i < ng * D; i += kDecodeThreads) {
+    const int g = i / D, d = i % D;
+    const std::int64_t head_row = static_cast<std::int64_t>(seq) * num_q_heads + h0 + g;
+    const float acc = o_s[g * L::kLdO + d];
+    if (num_splits == 1) {
+      const float l = l_s[g];
+      out[head_row * D + d] = l > 0.0f ? acc / l : 0.0f;
+    } else {
+      const std::int64_t part_row = head_row * num_splits + split;
+      partial_acc[part_row * D + d] = acc;
+      if (d == 0) {
+        partial_ml[part_row * 2] = m_s[g];
+        partial_ml[part_row * 2 + 1] = l_s[g];
+      }
+    }
+  }
+}
+
 /// Combines the splits of each (sequence, query head): out = sum_s acc_s e^(m_s - M) / L.
 template <int D>
 __global__ void decode_merge_kernel(const float* __restrict__ partial_acc,
@@ -525,15 +792,21 @@ DecodeSetup query_decode_setup(int group) {
   check(cudaGetDevice(&setup.device), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&setup.num_sms, cudaDevAttrMultiProcessorCount, setup.device),
         "cudaDeviceGetAttribute(multiProcessorCount)");
-  const int chunk_group = decode_chunk_group(group);
-  setup.smem_bytes = decode_smem_bytes<T>(D, chunk_group, decode_stages<T, D>());
-  dispatch_head_bucket(chunk_group, [&](auto g) {
-    auto kernel = decode_attention_kernel<T, D, decltype(g)::value>;
+  const auto occupancy = [&](auto kernel) {
     allow_smem(kernel, setup.smem_bytes);
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&setup.blocks_per_sm, kernel,
                                                         kDecodeThreads, setup.smem_bytes),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  });
+  };
+  if constexpr (std::is_same_v<T, float>) {
+    const int chunk_group = decode_chunk_group(group);
+    setup.smem_bytes = decode_smem_bytes<T>(D, chunk_group, decode_stages<T, D>());
+    dispatch_head_bucket(
+        chunk_group, [&](auto g) { occupancy(decode_attention_kernel<T, D, decltype(g)::value>); });
+  } else {
+    setup.smem_bytes = DecodeMmaSmem<T, D>::kBytes;
+    occupancy(decode_attention_mma_kernel<T, D>);
+  }
   setup.blocks_per_sm = std::max(setup.blocks_per_sm, 1);
   return setup;
 }

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cuda_pipeline.h>
-#include <mma.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -23,31 +22,6 @@ inline constexpr int kPrefillRows = 64;      ///< query rows per block
 inline constexpr int kPrefillKeys = 64;      ///< keys per step
 
 namespace detail {
-
-/// Tensor-core operand types for a cache element type.
-template <Element T>
-struct MmaTraits;
-template <>
-struct MmaTraits<kvcache::half> {
-  using storage = __half;  // shared-memory element (bit-identical to kvcache::half)
-  using operand = __half;  // wmma fragment element
-  static constexpr int kK = 16;
-  __device__ static storage from_float(float x) { return __float2half_rn(x); }
-};
-template <>
-struct MmaTraits<kvcache::bfloat16> {
-  using storage = __nv_bfloat16;
-  using operand = __nv_bfloat16;
-  static constexpr int kK = 16;
-  __device__ static storage from_float(float x) { return __float2bfloat16_rn(x); }
-};
-template <>
-struct MmaTraits<float> {
-  using storage = float;
-  using operand = nvcuda::wmma::precision::tf32;
-  static constexpr int kK = 8;
-  __device__ static storage from_float(float x) { return x; }
-};
 
 /// Shared-memory row strides (elements) and byte offsets of the prefill kernel with kStages K/V
 /// buffers.
