@@ -87,6 +87,19 @@ struct MmaTraits<float> {
   __device__ static float to_float(storage x) { return x; }
 };
 
+/// Writes x as kParts values of Traits::storage at dst[0], dst[stride], ...: each the rounding of
+/// what the earlier ones leave of x, so that their sum carries kParts times the storage type's
+/// significand bits of x (tensor-core operands with fp32 accuracy).
+template <class Traits, int kParts>
+__device__ __forceinline__ void store_parts(float x, typename Traits::storage* dst, int stride) {
+#pragma unroll
+  for (int part = 0; part < kParts; ++part) {
+    const typename Traits::storage piece = Traits::from_float(x);
+    dst[part * stride] = piece;
+    x -= Traits::to_float(piece);
+  }
+}
+
 /// The query heads a decode kernel instantiation is unrolled for: the fewest of 4, 8 and 16 that
 /// holds a block's `chunk_group` heads. The p.V accumulators are unrolled over them, so a block
 /// serving 4 heads does not carry (and step over) the registers and guards of 16.
@@ -340,24 +353,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
         const std::int64_t pos = pos_tile[j];
         sc[h] = transform_score(s[j] + s_other[j], softcap, pos >= 0 && mask.visible(qpos, pos));
       }
-      const float tile_max = warp_max(fmaxf(sc[0], sc[1]));
-      const float m_old = m_s[g];
-      const float m_new = fmaxf(m_old, tile_max);
-      float p[2] = {0.0f, 0.0f}, correction = 1.0f;
-      if (m_new != -INFINITY) {
-        correction = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) p[h] = sc[h] == -INFINITY ? 0.0f : __expf(sc[h] - m_new);
-      }
+      float p[2];
+      online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane);
       s[lane] = p[0];
       s[lane + 32] = p[1];
-      const float tile_sum = warp_sum(p[0] + p[1]);
-      __syncwarp();  // every lane has read m_s[g] before lane 0 overwrites it
-      if (lane == 0) {
-        m_s[g] = m_new;
-        l_s[g] = l_s[g] * correction + tile_sum;
-        corr_s[g] = correction;
-      }
     }
     __syncthreads();
     // p.V: this thread owns the outputs o = a * kDecodeThreads + tid, each the dims
@@ -537,15 +536,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const float unscale = rescale ? __uint_as_float(static_cast<unsigned>(e - 12 + 127) << 23) : 1.0f;
   for (int i = tid; i < kMaxGroup * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
-    float x =
+    const float x =
         g < ng ? q[(static_cast<std::int64_t>(seq) * num_q_heads + h0 + g) * D + d] * scale * factor
                : 0.0f;
-#pragma unroll
-    for (int part = 0; part < kParts; ++part) {
-      const S piece = Traits::from_float(x);
-      q_s[(part * kMaxGroup + g) * L::kLdQ + d] = piece;
-      x -= Traits::to_float(piece);
-    }
+    store_parts<Traits, kParts>(x, q_s + g * L::kLdQ + d, kMaxGroup * L::kLdQ);
   }
 
   auto load = [&](std::int64_t i, int b) {
@@ -584,31 +578,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
         sc[h] = transform_score(s_s[g * L::kLdS + j] * unscale, softcap,
                                 pos >= 0 && mask.visible(qpos, pos));
       }
-      const float tile_max = warp_max(fmaxf(sc[0], sc[1]));
-      const float m_old = m_s[g];
-      const float m_new = fmaxf(m_old, tile_max);
-      float p[2] = {0.0f, 0.0f}, correction = 1.0f;
-      if (m_new != -INFINITY) {
-        correction = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) p[h] = sc[h] == -INFINITY ? 0.0f : __expf(sc[h] - m_new);
-      }
+      float p[2];
+      online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float x = p[h];
-#pragma unroll
-        for (int part = 0; part < kParts; ++part) {
-          const S piece = Traits::from_float(x);
-          p_s[(part * kMaxGroup + g) * L::kLdP + lane + 32 * h] = piece;
-          x -= Traits::to_float(piece);
-        }
-      }
-      const float tile_sum = warp_sum(p[0] + p[1]);
-      __syncwarp();  // every lane has read m_s[g] before lane 0 overwrites it
-      if (lane == 0) {
-        m_s[g] = m_new;
-        l_s[g] = l_s[g] * correction + tile_sum;
-        corr_s[g] = correction;
+        store_parts<Traits, kParts>(p[h], p_s + g * L::kLdP + lane + 32 * h, kMaxGroup * L::kLdP);
       }
     }
     __syncthreads();

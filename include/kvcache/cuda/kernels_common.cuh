@@ -25,6 +25,32 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+/// One step of a warp's online softmax over 64 scores, two per lane (-inf where masked): raises
+/// the running max *m to include them, rescales the running sum *l and adds their weights, stores
+/// in *corr the factor the accumulator of earlier steps must be scaled by, and returns in p the
+/// weights e^(score - max) of the lane's two scores (0 where masked). Every lane of the warp calls
+/// it with the same m, l, corr (shared memory); lane 0 writes them.
+__device__ __forceinline__ void online_softmax_step(const float (&sc)[2], float (&p)[2], float* m,
+                                                    float* l, float* corr, int lane) {
+  const float tile_max = warp_max(fmaxf(sc[0], sc[1]));
+  const float m_old = *m;
+  const float m_new = fmaxf(m_old, tile_max);
+  float correction = 1.0f;
+  p[0] = p[1] = 0.0f;
+  if (m_new != -INFINITY) {
+    correction = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) p[h] = sc[h] == -INFINITY ? 0.0f : __expf(sc[h] - m_new);
+  }
+  const float tile_sum = warp_sum(p[0] + p[1]);
+  __syncwarp();  // every lane has read *m before lane 0 overwrites it
+  if (lane == 0) {
+    *m = m_new;
+    *l = *l * correction + tile_sum;
+    *corr = correction;
+  }
+}
+
 /// Calls f(std::integral_constant<int, D>{}) for a supported head_dim.
 /// @throws shape_error listing the supported values.
 template <class F>

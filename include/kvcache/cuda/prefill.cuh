@@ -176,24 +176,10 @@ __global__ void __launch_bounds__(kPrefillThreads)
         const bool visible = r < rows && pos >= 0 && mask.visible(qpos, pos);
         sc[h] = transform_score(s_s[r * L::kLdS + j], softcap, visible);
       }
-      const float tile_max = warp_max(fmaxf(sc[0], sc[1]));
-      const float m_old = m_s[r];
-      const float m_new = fmaxf(m_old, tile_max);
-      float p[2] = {0.0f, 0.0f}, correction = 1.0f;
-      if (m_new != -INFINITY) {
-        correction = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) p[h] = sc[h] == -INFINITY ? 0.0f : __expf(sc[h] - m_new);
-      }
+      float p[2];
+      online_softmax_step(sc, p, &m_s[r], &l_s[r], &corr_s[r], lane);
       p_s[r * L::kLdP + lane] = Traits::from_float(p[0]);
       p_s[r * L::kLdP + lane + 32] = Traits::from_float(p[1]);
-      const float sum = warp_sum(p[0] + p[1]);
-      __syncwarp();  // every lane has read m_s[r] before lane 0 overwrites it
-      if (lane == 0) {
-        m_s[r] = m_new;
-        l_s[r] = l_s[r] * correction + sum;
-        corr_s[r] = correction;
-      }
     }
     __syncwarp();
     for (int i = lane; i < 16 * D; i += 32) {  // rescale the warp's accumulator rows
