@@ -90,18 +90,19 @@ void fill(kcuda::DeviceCache<half>& cache, int batch, int context) {
   kcuda::check(cudaDeviceSynchronize(), "fill");
 }
 
-/// The decode kernel's memory pipeline without its arithmetic: the same grid, shared memory,
-/// tiles and cp.async copies (load_kv_tile through for_each_kv_tile), each tile only touched (one
-/// element summed, so that the copies must land). Its bandwidth is what decode's loads allow.
+/// The fp16 decode kernel's memory pipeline without its arithmetic: the same grid, shared-memory
+/// layout (DecodeMmaSmem), tiles and cp.async copies (load_kv_tile through for_each_kv_tile), each
+/// tile only touched (one element summed, so that the copies must land). Its bandwidth is what
+/// decode's loads allow.
 template <int D>
 __global__ void __launch_bounds__(kcuda::kDecodeThreads)
     tile_loads_kernel(kcuda::DeviceKVView<half> view, std::int64_t keys_per_split, float* sink) {
   namespace kd = kcuda::detail;
-  constexpr int kStages = kd::decode_stages<half, D>();
-  constexpr int kTileBytes = kcuda::kDecodeTile * kd::tile_row_bytes<half>(D);
+  using L = kd::DecodeMmaSmem<half, D>;
+  constexpr int kStages = L::kStageCount;
   extern __shared__ __align__(128) unsigned char smem[];
-  char* tiles = reinterpret_cast<char*>(smem);  // K[stages] then V[stages], as in decode
-  auto* pos = reinterpret_cast<std::int64_t*>(tiles + 2 * kStages * kTileBytes);
+  char* tiles = reinterpret_cast<char*>(smem);
+  auto* pos = reinterpret_cast<std::int64_t*>(smem + L::kPos);
   const int seq = blockIdx.z, kv_head = blockIdx.y;
   const kd::KeyRange keys = kd::key_range(view, seq);
   const std::int64_t begin = blockIdx.x * keys_per_split;
@@ -112,12 +113,12 @@ __global__ void __launch_bounds__(kcuda::kDecodeThreads)
       begin, kcuda::kDecodeTile, [&](std::int64_t i) { return i < end; },
       [&](std::int64_t i, int b) {
         kd::load_kv_tile<half, D, kcuda::kDecodeThreads, kcuda::kDecodeTile>(
-            view, seq, kv_head, keys, i, end, tiles + b * kTileBytes,
-            tiles + (kStages + b) * kTileBytes, pos + b * kcuda::kDecodeTile, threadIdx.x);
+            view, seq, kv_head, keys, i, end, tiles + L::kK + b * L::kTile,
+            tiles + L::kV + b * L::kTile, pos + b * kcuda::kDecodeTile, threadIdx.x);
       },
       [&](std::int64_t, int b) {
-        touched +=
-            __half2float(reinterpret_cast<const __half*>(tiles + b * kTileBytes)[threadIdx.x]);
+        touched += __half2float(
+            reinterpret_cast<const __half*>(tiles + L::kK + b * L::kTile)[threadIdx.x]);
       });
   if (threadIdx.x == 0)
     sink[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = touched;
