@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Decode attention on the GPU: a batch of sequences, one query token each, GQA (the query heads of
 // one KV head share every K/V tile read), split-KV (flash-decoding) with a merge kernel for long
-// contexts, fp32 accumulation, window and sink masks, contiguous, ring and paged layouts.
+// contexts, fp32 accumulation, window and sink masks, contiguous, ring and paged layouts. fp16 and
+// bf16 K/V: q.k and p.V on tensor cores (decode_attention_mma_kernel); fp32 K/V: on CUDA cores
+// (decode_attention_kernel).
 #pragma once
 
 #include <cuda_pipeline.h>
@@ -120,42 +122,18 @@ void dispatch_head_bucket(int chunk_group, F&& f) {
   }
 }
 
-/// Converts the 16 bytes at p (8 half/bf16 or 4 floats) to floats.
-template <Element T>
-__device__ __forceinline__ void load16(const T* p, float* out) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  if constexpr (std::is_same_v<T, float>) {
-    out[0] = __uint_as_float(raw.x);
-    out[1] = __uint_as_float(raw.y);
-    out[2] = __uint_as_float(raw.z);
-    out[3] = __uint_as_float(raw.w);
-  } else {
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      if constexpr (std::is_same_v<T, kvcache::half>) {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[w]));
-        out[2 * w] = f.x;
-        out[2 * w + 1] = f.y;
-      } else {
-        out[2 * w] = __uint_as_float(words[w] << 16);
-        out[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
-      }
-    }
-  }
+/// The 4 floats at p (16-byte aligned).
+__device__ __forceinline__ void load16(const float* p, float* out) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  out[0] = v.x;
+  out[1] = v.y;
+  out[2] = v.z;
+  out[3] = v.w;
 }
 
-/// Converts the two consecutive elements at p (4-byte aligned for 16-bit types) to floats.
-template <Element T>
-__device__ __forceinline__ float2 load_pair(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return *reinterpret_cast<const float2*>(p);
-  } else if constexpr (std::is_same_v<T, kvcache::half>) {
-    return __half22float2(*reinterpret_cast<const __half2*>(p));
-  } else {
-    const unsigned w = *reinterpret_cast<const unsigned*>(p);
-    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-  }
+/// The 2 floats at p (8-byte aligned).
+__device__ __forceinline__ float2 load_pair(const float* p) {
+  return *reinterpret_cast<const float2*>(p);
 }
 
 /// Loads logical keys [i0, i0 + kRows) of (seq, kv_head) into one K and one V tile with 16-byte
@@ -241,6 +219,7 @@ __device__ __forceinline__ void for_each_kv_tile(std::int64_t first, std::int64_
   __syncthreads();
 }
 
+/// Decode attention for fp32 K/V on CUDA cores (fp16/bf16 K/V take decode_attention_mma_kernel).
 /// One block per (split, KV head x head chunk, sequence), its query token at position
 /// length - 1; the block serves query heads [h0, h0 + ng) of the KV head. Per tile: partial q.k
 /// for every (query head, key) — thread = (key, half of head_dim) so that a warp reads 32
@@ -256,6 +235,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                             float* __restrict__ partial_ml, int num_q_heads, int chunk_group,
                             int num_splits, std::int64_t keys_per_split, DeviceMask mask,
                             float scale, float softcap) {
+  static_assert(std::is_same_v<T, float>, "fp16/bf16 K/V: decode_attention_mma_kernel");
   static_assert(kDecodeThreads == 2 * kDecodeTile, "thread = (key, half of head_dim)");
   constexpr int kStages = decode_stages<T, D>();
   static_assert(decode_smem_bytes<T>(D, kMaxGroup, kStages) <= kMaxSmemBytes);
@@ -758,8 +738,9 @@ struct DecodeSetup {
 
 namespace detail {
 
-/// Queries the current device for decode_attention_kernel<T, D, G> serving `group` query heads
-/// per KV head, raising its shared-memory limit there. @throws cuda_error.
+/// Queries the current device for the decode kernel of T and D (decode_attention_kernel<float, D,
+/// G> or decode_attention_mma_kernel<T, D>) serving `group` query heads per KV head, raising its
+/// shared-memory limit there. @throws cuda_error.
 template <Element T, int D>
 DecodeSetup query_decode_setup(int group) {
   DecodeSetup setup{.dtype = dtype_of<T>, .head_dim = D, .group = group};
