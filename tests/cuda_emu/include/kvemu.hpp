@@ -5,7 +5,8 @@
 // device memory per allocation; cp.async copies land at random either early (at commit) or as
 // late as the wait allows; wmma products and stores come from the warp's last lane (mma.h).
 // Launch limits and the shared-memory opt-in are checked as CUDA does. What this cannot check:
-// timing, real concurrency, the GPU memory model, tensor-core fragment layouts.
+// timing, real concurrency, the GPU memory model, wmma fragment layouts (warp_mma.cuh's ldmatrix
+// and mma.sync are emulated with the layouts the PTX ISA documents).
 #pragma once
 
 #include <sys/mman.h>
@@ -235,6 +236,7 @@ struct Block {
   Barrier block_barrier;
   std::vector<Barrier> warp_barriers;
   std::vector<std::array<std::uint64_t, 32>> exchange;  // shuffle values per warp
+  std::vector<std::vector<unsigned char>> gathered;     // warp_gather values per warp
   Context scheduler;
   std::function<void()> body;
 };
@@ -397,6 +399,7 @@ void operator%(void (*kernel)(P...), PendingLaunch<A...>&& launch) {
   const unsigned num_warps = (threads + 31) / 32;
   b.warp_barriers.assign(num_warps, Barrier{});
   b.exchange.assign(num_warps, {});
+  b.gathered.assign(num_warps, {});
   for (unsigned w = 0; w < num_warps; ++w)
     b.warp_barriers[w].expected = std::min(32u, threads - 32 * w);
   b.block_barrier = Barrier{threads};
@@ -461,6 +464,25 @@ T shuffle(unsigned mask, T value, int width, Source source) {
   wait(b.warp_barriers[warp]);  // everybody has read before the next shuffle writes
   T out;
   std::memcpy(&out, &bits, sizeof(T));
+  return out;
+}
+
+/// Every lane of the calling warp publishes `value`; returns all 32 lanes' values, by lane (the
+/// operands of a warp-wide instruction: ldmatrix's row addresses, mma's fragments).
+template <class T>
+std::array<T, 32> warp_gather(const T& value) {
+  static_assert(std::is_trivially_copyable_v<T>);
+  Block& b = block();
+  const Fiber& f = fiber();
+  const unsigned warp = warp_of(f), lane = lane_of(f);
+  if (b.warp_barriers[warp].expected != 32) fail("warp_gather: only full warps are emulated");
+  std::vector<unsigned char>& buf = b.gathered[warp];
+  if (buf.size() < 32 * sizeof(T)) buf.resize(32 * sizeof(T));
+  std::memcpy(buf.data() + lane * sizeof(T), &value, sizeof(T));
+  wait(b.warp_barriers[warp]);
+  std::array<T, 32> out;
+  std::memcpy(out.data(), buf.data(), 32 * sizeof(T));
+  wait(b.warp_barriers[warp]);  // everybody has read before the next gather writes
   return out;
 }
 }  // namespace kvemu
