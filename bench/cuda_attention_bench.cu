@@ -2,9 +2,10 @@
 // GPU attention figures, timed with CUDA events (decode: 10 launches back to back per sample, so
 // the host's launch work overlaps the device's, as in a decode loop): decode attention (batch 32,
 // 32 query / 8 KV heads, head_dim 128, fp16 K/V) over paged (block 16) and contiguous caches at
-// 4k/16k/32k context, as achieved bandwidth (K+V bytes read / time) next to a device-to-device copy
-// measured in the same run, and next to the decode kernel's tile loads alone (what its memory
-// pipeline allows without the arithmetic); and prefill of 2048 new tokens against a 2048-token
+// 4k/16k/32k context, with each fp16 decode kernel (DecodeKernel), as achieved bandwidth (K+V
+// bytes read / time) next to a device-to-device copy measured in the same run, and next to the
+// block kernel's tile loads alone (what its memory pipeline allows without the arithmetic); and
+// prefill of 2048 new tokens against a 2048-token
 // cached prefix, as TFLOP/s; and batch-1 decode with and without a DecodeSetup (the host's share of
 // a short launch).
 #include <algorithm>
@@ -125,7 +126,8 @@ __global__ void __launch_bounds__(kcuda::kDecodeThreads)
 }
 
 struct DecodeResult {
-  double bandwidth, ms, loads_bandwidth;
+  kcuda::DecodeKernel kernel;
+  double bandwidth, ms, loads_bandwidth;  // loads: 0 where not measured
   int splits, blocks_per_sm;
   std::size_t smem_bytes;
 };
@@ -146,8 +148,13 @@ struct DecodeBench {
         out(q.size()),
         setup(kcuda::make_decode_setup<half>(kQHeads, kKvHeads, kDim)) {
     fill(cache, batch, context);
-    ws = kcuda::DeviceBuffer<unsigned char>(
-        kcuda::decode_workspace_bytes(cache.view(0), kQHeads, {}, &setup));
+    use(setup.kernel);
+  }
+  /// Makes run() launch `kernel` (sized by its own setup and workspace).
+  void use(kcuda::DecodeKernel kernel) {
+    setup = kcuda::make_decode_setup<half>(kQHeads, kKvHeads, kDim, kernel);
+    const std::size_t bytes = kcuda::decode_workspace_bytes(cache.view(0), kQHeads, {}, &setup);
+    if (ws.bytes() < bytes) ws = kcuda::DeviceBuffer<unsigned char>(bytes);
   }
   /// One launch; `with_setup` false: the device queried in the launch, as without a setup.
   void run(bool with_setup = true) {
@@ -162,7 +169,8 @@ struct DecodeBench {
                                 .decode_setup = with_setup ? &setup : nullptr});
   }
 
-  /// tile_loads_kernel over the same cache, grid and shared memory as run().
+  /// tile_loads_kernel over the same cache, grid and shared memory as run() with the
+  /// tensor_cores kernel.
   void run_loads() {
     const auto view = cache.view(0);
     const auto plan = kcuda::detail::plan_decode(setup, batch, kKvHeads, view.max_keys);
@@ -183,15 +191,26 @@ struct DecodeBench {
   kcuda::DeviceBuffer<float> sink;
 };
 
-DecodeResult decode(kcuda::Layout layout, int context) {
+/// Each fp16 decode kernel over one cache (filled once).
+std::vector<DecodeResult> decode(kcuda::Layout layout, int context) {
   DecodeBench b(layout, kBatch, context);
-  const float ms = time_ms([&] { b.run(); }, /*batch=*/10);
-  const float loads_ms = time_ms([&] { b.run_loads(); }, /*batch=*/10);
   const double bytes = 2.0 * kBatch * static_cast<double>(context) * kKvHeads * kDim * sizeof(half);
-  // the launch's shape, for reading the figure: splits per sequence and resident blocks
-  const auto plan = kcuda::detail::plan_decode(b.setup, kBatch, kKvHeads, b.cache.view(0).max_keys);
-  return {bytes / (ms * 1e-3), ms, bytes / (loads_ms * 1e-3), plan.splits, b.setup.blocks_per_sm,
-          b.setup.smem_bytes};
+  std::vector<DecodeResult> results;
+  for (const kcuda::DecodeKernel kernel :
+       {kcuda::DecodeKernel::tensor_cores, kcuda::DecodeKernel::tensor_cores_per_warp}) {
+    b.use(kernel);
+    const float ms = time_ms([&] { b.run(); }, /*batch=*/10);
+    double loads = 0.0;
+    if (kernel == kcuda::DecodeKernel::tensor_cores) {
+      loads = bytes / (time_ms([&] { b.run_loads(); }, /*batch=*/10) * 1e-3);
+    }
+    // the launch's shape, for reading the figure: splits per sequence and resident blocks
+    const auto plan =
+        kcuda::detail::plan_decode(b.setup, kBatch, kKvHeads, b.cache.view(0).max_keys);
+    results.push_back({kernel, bytes / (ms * 1e-3), ms, loads, plan.splits, b.setup.blocks_per_sm,
+                       b.setup.smem_bytes});
+  }
+  return results;
 }
 
 /// Host microseconds to issue one launch (100 issued back to back, then synchronised).
@@ -274,16 +293,21 @@ int main() {
   std::printf("device-to-device copy: %.0f GB/s (bytes read + written)\n\n", copy / 1e9);
   std::printf("decode attention, batch %d, %d q heads / %d kv heads, head_dim %d, fp16 K/V\n",
               kBatch, kQHeads, kKvHeads, kDim);
-  std::printf("%-11s %8s %10s %10s %12s %12s %12s %7s %10s %9s\n", "layout", "context", "ms",
-              "GB/s", "/ copy bw", "loads GB/s", "loads / copy", "splits", "blocks/SM", "smem KiB");
+  std::printf("%-11s %8s %-22s %9s %8s %10s %11s %12s %7s %10s %9s\n", "layout", "context",
+              "kernel", "ms", "GB/s", "/ copy bw", "loads GB/s", "loads / copy", "splits",
+              "blocks/SM", "smem KiB");
   for (kcuda::Layout layout : {kcuda::Layout::paged, kcuda::Layout::contiguous}) {
     for (int context : {4096, 16384, 32768}) {
-      const DecodeResult r = decode(layout, context);
-      std::printf("%-11s %8d %10.3f %10.0f %12.3f %12.0f %12.3f %7d %10d %9.1f\n",
-                  layout == kcuda::Layout::paged ? "paged/16" : "contiguous", context, r.ms,
-                  r.bandwidth / 1e9, r.bandwidth / copy, r.loads_bandwidth / 1e9,
-                  r.loads_bandwidth / copy, r.splits, r.blocks_per_sm,
-                  static_cast<double>(r.smem_bytes) / 1024.0);
+      for (const DecodeResult& r : decode(layout, context)) {
+        const bool loads = r.loads_bandwidth > 0.0;
+        std::printf(
+            "%-11s %8d %-22s %9.3f %8.0f %10.3f %11s %12s %7d %10d %9.1f\n",
+            layout == kcuda::Layout::paged ? "paged/16" : "contiguous", context,
+            kcuda::decode_kernel_name(r.kernel), r.ms, r.bandwidth / 1e9, r.bandwidth / copy,
+            loads ? std::to_string(static_cast<long>(r.loads_bandwidth / 1e9)).c_str() : "-",
+            loads ? std::to_string(r.loads_bandwidth / copy).substr(0, 5).c_str() : "-", r.splits,
+            r.blocks_per_sm, static_cast<double>(r.smem_bytes) / 1024.0);
+      }
     }
   }
   small_batch_decode();

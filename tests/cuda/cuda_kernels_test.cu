@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -286,23 +287,29 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
     AttentionOptions opts;
   };
   // group 32 and 20: more query heads than one block serves (head chunks of 16 and 10)
-  const Case cases[] = {{64, 1, 2, {}},
-                        {128, 4, 2, {}},
-                        {256, 2, 1, {.softcap = 30.0f}},
-                        {128, 8, 1, {.scale = 0.05f}},
-                        {64, 16, 1, {}},
-                        {128, 3, 2, {}},
-                        {64, 32, 1, {}},
-                        {128, 20, 2, {}}};
+  const std::vector<Case> all_cases{{64, 1, 2, {}},
+                                    {256, 2, 1, {.softcap = 30.0f}},
+                                    {128, 8, 1, {.scale = 0.05f}},
+                                    {128, 20, 2, {}},
+                                    {128, 4, 2, {}},
+                                    {64, 16, 1, {}},
+                                    {128, 3, 2, {}},
+                                    {64, 32, 1, {}}};
+  const std::span<const Case> cases(all_cases);
   // long: several splits (and sequences with no keys in most of them), 1 and odd lengths, a
   // block boundary; short: one split, the output written without the merge kernel
   const std::vector<std::size_t> long_lengths{3000, 1, 17, 513, 2049};
   const std::vector<std::size_t> short_lengths{200, 1, 64, 17, 129};
-  bool with_setup = false;  // every other launch sized by a DecodeSetup made once, not queried
+  // every kernel that serves TestType; the default one sized by a DecodeSetup made once (not
+  // queried) every other launch, the others always (a setup is how they are chosen)
+  std::vector<kcuda::DecodeKernel> kernels{kcuda::default_decode_kernel<TestType>};
+  if constexpr (!std::is_same_v<TestType, float>) {
+    kernels.push_back(kcuda::DecodeKernel::tensor_cores_per_warp);
+  }
+  bool with_setup = false;
   for (kcuda::Layout layout : kLayouts) {
     for (const Case& c : cases) {
       for (const auto* lengths_ptr : {&long_lengths, &short_lengths}) {
-        with_setup = !with_setup;
         const std::vector<std::size_t>& lengths = *lengths_ptr;
         const Twin t{layout, 1, c.kv_heads, c.dim, 5, 3000, 500, 4, 300};
         kcuda::DeviceCache<TestType> dev(device_config(t));
@@ -314,50 +321,121 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
           opts.num_sink_tokens = t.sinks;
         }
         const std::size_t q_heads = c.kv_heads * c.group;
-        const auto q = kvcache::test::normal_floats(rng, t.batch * q_heads * c.dim);
-        auto dq = upload(q);
-        kcuda::DeviceBuffer<float> dout(q.size());
-        kcuda::check(cudaMemset(dout.data(), 0xff, dout.bytes()), "poison");  // NaN everywhere
         const auto view = dev.view(0);
         dev.check_attention(0, std::vector<std::size_t>(t.batch, 1), opts);
-        std::optional<kcuda::DecodeSetup> setup;
-        if (with_setup) {
-          setup = kcuda::make_decode_setup<TestType>(
-              static_cast<int>(q_heads), static_cast<int>(c.kv_heads), static_cast<int>(c.dim));
-        }
-        const kcuda::DecodeSetup* setup_ptr = setup ? &*setup : nullptr;
-        const std::size_t ws_bytes =
-            kcuda::decode_workspace_bytes(view, static_cast<int>(q_heads), opts, setup_ptr);
-        REQUIRE(ws_bytes == kcuda::decode_workspace_bytes(view, static_cast<int>(q_heads), opts));
-        if (lengths_ptr == &short_lengths) REQUIRE(ws_bytes == 0);  // one split
-        if (lengths_ptr == &long_lengths) REQUIRE(ws_bytes > 0);
-        kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
-        kvcache::attend(
-            TokenBlock<const float>{std::span<const float>(dq.data(), q.size()), t.batch, q_heads,
-                                    c.dim},
-            view,
-            TokenBlock<float>{std::span<float>(dout.data(), q.size()), t.batch, q_heads, c.dim},
-            opts,
-            kcuda::DeviceAttendArgs{
-                .workspace = ws.data(), .workspace_bytes = ws_bytes, .decode_setup = setup_ptr});
-        kcuda::check(cudaDeviceSynchronize(), "decode");
-        const auto got = download(dout.data(), q.size());
-        for (std::size_t s = 0; s < t.batch; ++s) {
-          std::vector<float> expect(q_heads * c.dim);
-          cpu.with_view(0, s, [&](const auto& cv) {
-            reference::attend(
-                {std::span<const float>(q).subspan(s * q_heads * c.dim, q_heads * c.dim), 1,
-                 q_heads, c.dim},
-                cv, {expect, 1, q_heads, c.dim}, opts);
-          });
-          INFO("layout " << static_cast<int>(layout) << " dim " << c.dim << " group " << c.group
-                         << " seq " << s << " length " << lengths[s] << " setup " << with_setup);
-          kvcache::test::check_close(
-              std::span<const float>(got).subspan(s * q_heads * c.dim, q_heads * c.dim), expect,
-              decode_tolerance<TestType>());
+        for (const kcuda::DecodeKernel kernel : kernels) {
+          const auto q = kvcache::test::normal_floats(rng, t.batch * q_heads * c.dim);
+          auto dq = upload(q);
+          kcuda::DeviceBuffer<float> dout(q.size());
+          kcuda::check(cudaMemset(dout.data(), 0xff, dout.bytes()), "poison");  // NaN everywhere
+          const bool default_kernel = kernel == kcuda::default_decode_kernel<TestType>;
+          if (default_kernel) with_setup = !with_setup;
+          std::optional<kcuda::DecodeSetup> setup;
+          if (with_setup || !default_kernel) {
+            setup = kcuda::make_decode_setup<TestType>(static_cast<int>(q_heads),
+                                                       static_cast<int>(c.kv_heads),
+                                                       static_cast<int>(c.dim), kernel);
+          }
+          const kcuda::DecodeSetup* setup_ptr = setup ? &*setup : nullptr;
+          const std::size_t ws_bytes =
+              kcuda::decode_workspace_bytes(view, static_cast<int>(q_heads), opts, setup_ptr);
+          if (default_kernel) {
+            REQUIRE(ws_bytes ==
+                    kcuda::decode_workspace_bytes(view, static_cast<int>(q_heads), opts));
+          }
+          if (lengths_ptr == &short_lengths) REQUIRE(ws_bytes == 0);  // one split
+          if (lengths_ptr == &long_lengths) REQUIRE(ws_bytes > 0);
+          kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
+          kvcache::attend(
+              TokenBlock<const float>{std::span<const float>(dq.data(), q.size()), t.batch, q_heads,
+                                      c.dim},
+              view,
+              TokenBlock<float>{std::span<float>(dout.data(), q.size()), t.batch, q_heads, c.dim},
+              opts,
+              kcuda::DeviceAttendArgs{
+                  .workspace = ws.data(), .workspace_bytes = ws_bytes, .decode_setup = setup_ptr});
+          kcuda::check(cudaDeviceSynchronize(), "decode");
+          const auto got = download(dout.data(), q.size());
+          for (std::size_t s = 0; s < t.batch; ++s) {
+            std::vector<float> expect(q_heads * c.dim);
+            cpu.with_view(0, s, [&](const auto& cv) {
+              reference::attend(
+                  {std::span<const float>(q).subspan(s * q_heads * c.dim, q_heads * c.dim), 1,
+                   q_heads, c.dim},
+                  cv, {expect, 1, q_heads, c.dim}, opts);
+            });
+            INFO("layout " << static_cast<int>(layout) << " dim " << c.dim << " group " << c.group
+                           << " seq " << s << " length " << lengths[s] << " kernel "
+                           << static_cast<int>(kernel) << " setup " << setup.has_value());
+            kvcache::test::check_close(
+                std::span<const float>(got).subspan(s * q_heads * c.dim, q_heads * c.dim), expect,
+                decode_tolerance<TestType>());
+          }
         }
       }
     }
+  }
+}
+
+TEMPLATE_TEST_CASE("CUDA decode on tensor cores keeps q's low bits", "[cuda]", kvcache::half,
+                   bfloat16) {
+  if (!have_device()) return;
+  // Every score rests on q's bits below 2^-16: q = (1 + 2^-9 + 2^-17, -(1 + 2^-9), 0, ...) 2^h
+  // for head h, K row j = (c, c, 0, ...) with c = 2^11 (j % 16), so q.k = 2^h j / 64 exactly,
+  // and is 0 for every key once q is cut to 16 bits (two bf16 parts, or one fp16 part). The
+  // expected output is the softmax-weighted V in double.
+  constexpr std::size_t kDim = 64, kKeys = 40, kHeads = 4;
+  std::vector<TestType> k(kKeys * kDim, TestType(0.0f)), v(kKeys * kDim);
+  for (std::size_t j = 0; j < kKeys; ++j) {
+    k[j * kDim] = k[j * kDim + 1] = TestType(2048.0f * static_cast<float>(j % 16));
+    for (std::size_t d = 0; d < kDim; ++d) {
+      v[j * kDim + d] = TestType(static_cast<float>((7 * j + 3 * d) % 13) / 13.0f - 0.5f);
+    }
+  }
+  std::vector<float> q(kHeads * kDim, 0.0f), expect(kHeads * kDim, 0.0f);
+  for (std::size_t h = 0; h < kHeads; ++h) {
+    const float pow2 = static_cast<float>(1u << h);
+    q[h * kDim] = (1.0f + 0x1p-9f + 0x1p-17f) * pow2;
+    q[h * kDim + 1] = -(1.0f + 0x1p-9f) * pow2;
+    double sum = 0.0;
+    std::vector<double> acc(kDim, 0.0);
+    for (std::size_t j = 0; j < kKeys; ++j) {
+      const double w = std::exp(static_cast<double>(pow2) * static_cast<double>(j % 16) / 64.0);
+      sum += w;
+      for (std::size_t d = 0; d < kDim; ++d) {
+        acc[d] += w * static_cast<double>(kvcache::to_float(v[j * kDim + d]));
+      }
+    }
+    for (std::size_t d = 0; d < kDim; ++d) {
+      expect[h * kDim + d] = static_cast<float>(acc[d] / sum);
+    }
+  }
+  auto dk = upload(k), dv = upload(v);
+  auto dq = upload(q);
+  auto dlen = upload(std::vector<std::int64_t>{static_cast<std::int64_t>(kKeys)});
+  const kcuda::DeviceKVView<TestType> view{.k = dk.data(),
+                                           .v = dv.data(),
+                                           .num_seqs = 1,
+                                           .num_kv_heads = 1,
+                                           .head_dim = static_cast<int>(kDim),
+                                           .seq_stride = static_cast<std::int64_t>(kKeys * kDim),
+                                           .head_stride = static_cast<std::int64_t>(kKeys * kDim),
+                                           .length = dlen.data(),
+                                           .max_keys = static_cast<std::int64_t>(kKeys)};
+  const AttentionOptions opts{.scale = 1.0f};
+  for (const kcuda::DecodeKernel kernel :
+       {kcuda::DecodeKernel::tensor_cores, kcuda::DecodeKernel::tensor_cores_per_warp}) {
+    const auto setup = kcuda::make_decode_setup<TestType>(kHeads, 1, kDim, kernel);
+    const std::size_t ws_bytes =
+        kcuda::decode_workspace_bytes(view, static_cast<int>(kHeads), opts, &setup);
+    kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
+    kcuda::DeviceBuffer<float> dout(q.size());
+    kcuda::launch_decode_attention(view, dq.data(), dout.data(), static_cast<int>(kHeads), opts,
+                                   ws.data(), ws_bytes, nullptr, &setup);
+    kcuda::check(cudaDeviceSynchronize(), "decode");
+    INFO("kernel " << kcuda::decode_kernel_name(kernel));
+    kvcache::test::check_close(download(dout.data(), q.size()), expect,
+                               decode_tolerance<TestType>());
   }
 }
 
@@ -622,10 +700,34 @@ TEST_CASE("CUDA launchers reject bad shapes before touching the device", "[cuda]
                                 .group = 4,
                                 .smem_bytes = 1,
                                 .blocks_per_sm = 3,
-                                .num_sms = 132};
+                                .num_sms = 132,
+                                .kernel = kcuda::DecodeKernel::tensor_cores};
   const auto plan = kcuda::detail::plan_decode_grid(32, 4, 8, 4096, 132 * 3);
   REQUIRE(kcuda::decode_workspace_bytes<kvcache::half>(h200, 32, 32, 8, 128, 4096) ==
           plan.workspace_bytes(32, 32, 128));
+  // a setup names a kernel for its dtype; the per-warp kernel serves at most 8 bf16 heads a block
+  // at head_dim 128 (its accumulators are registers), so a group of 16 takes two blocks
+  require_throws<kvcache::shape_error>(
+      [] {
+        (void)kcuda::make_decode_setup<float>(8, 4, 128,
+                                              kcuda::DecodeKernel::tensor_cores_per_warp);
+      },
+      "decode kernel tensor_cores_per_warp (2) does not serve f32");
+  kcuda::DecodeSetup wrong = h200;
+  wrong.kernel = kcuda::DecodeKernel::cuda_cores;
+  require_throws<kvcache::shape_error>(
+      [&] { (void)kcuda::decode_workspace_bytes<kvcache::half>(wrong, 32, 32, 8, 128, 4096); },
+      "decode kernel cuda_cores (0) does not serve f16");
+  kcuda::DecodeSetup per_warp = h200;
+  per_warp.kernel = kcuda::DecodeKernel::tensor_cores_per_warp;
+  per_warp.group = 16;
+  REQUIRE(kcuda::detail::plan_decode(per_warp, 32, 8, 4096).chunk_group == 16);
+  per_warp.dtype = kvcache::DType::bf16;
+  const auto bf16_plan = kcuda::detail::plan_decode(per_warp, 32, 8, 4096);
+  REQUIRE(bf16_plan.chunk_group == 8);
+  REQUIRE(bf16_plan.num_chunks == 2);
+  per_warp.head_dim = 256;
+  REQUIRE(kcuda::detail::plan_decode(per_warp, 32, 8, 4096).chunk_group == 4);
   require_throws<kvcache::shape_error>(
       [&] { (void)kcuda::decode_workspace_bytes<kvcache::bfloat16>(h200, 32, 32, 8, 128, 4096); },
       "DecodeSetup for f16", "used for bf16");

@@ -65,7 +65,8 @@ template <Element T>
 
 /// Decode attention: q and out [num_seqs][num_q_heads][head_dim] device arrays, one query token
 /// per sequence of the view (at position length - 1). Empty sequences get a zero output. Any
-/// GQA/MQA group: each block serves up to kMaxGroup query heads of one KV head. Splits each
+/// GQA/MQA group: each block serves up to kMaxGroup query heads of one KV head (fewer with
+/// DecodeKernel::tensor_cores_per_warp for bf16 or head_dim 256). Splits each
 /// sequence's keys over several blocks (merged by a second kernel) so that the grid fills the
 /// device's waves; workspace must hold decode_workspace_bytes(...) bytes. `setup`, if given
 /// (make_decode_setup on this device), replaces the device queries every launch makes without.
@@ -93,7 +94,9 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
   const std::int64_t max_keys = detail::decode_keys(view.max_keys, opts);
   detail::dispatch_head_dim(view.head_dim, [&](auto d) {
     constexpr int D = decltype(d)::value;
-    const DecodeSetup sized = setup != nullptr ? *setup : detail::query_decode_setup<T, D>(group);
+    const DecodeSetup sized =
+        setup != nullptr ? *setup
+                         : detail::query_decode_setup<T, D>(group, default_decode_kernel<T>);
     const detail::DecodePlan plan =
         detail::plan_decode(sized, view.num_seqs, view.num_kv_heads, max_keys);
     const std::size_t need = plan.workspace_bytes(view.num_seqs, num_q_heads, D);
@@ -117,6 +120,17 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
                 view, q, out, partial_acc, partial_ml, num_q_heads, plan.chunk_group, plan.splits,
                 plan.keys_per_split, detail::device_mask(opts), scale, opts.softcap);
         check_launch("kvcache::cuda::decode_attention_kernel");
+      });
+    } else if (sized.kernel == DecodeKernel::tensor_cores_per_warp) {
+      detail::dispatch_head_bucket(plan.chunk_group, [&](auto g) {
+        constexpr int G = decltype(g)::value;
+        if constexpr (G <= detail::warp_decode_max_group(std::is_same_v<T, kvcache::half>, D)) {
+          detail::decode_attention_warp_kernel<T, D, G>
+              <<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(
+                  view, q, out, partial_acc, partial_ml, num_q_heads, plan.chunk_group, plan.splits,
+                  plan.keys_per_split, detail::device_mask(opts), scale, opts.softcap);
+          check_launch("kvcache::cuda::decode_attention_warp_kernel");
+        }
       });
     } else {  // fp16/bf16 K/V: q.k and p.V on tensor cores
       detail::decode_attention_mma_kernel<T, D><<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(

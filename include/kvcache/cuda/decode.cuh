@@ -19,6 +19,7 @@
 #include "kvcache/cuda/kernels_common.cuh"
 #include "kvcache/cuda/runtime.cuh"
 #include "kvcache/cuda/view.cuh"
+#include "kvcache/cuda/warp_mma.cuh"
 
 namespace kvcache::cuda {
 
@@ -71,6 +72,7 @@ struct MmaTraits<kvcache::half> {
   static constexpr int kK = 16;
   __device__ static storage from_float(float x) { return __float2half_rn(x); }
   __device__ static float to_float(storage x) { return __half2float(x); }
+  __device__ static unsigned short bits(storage x) { return __half_as_ushort(x); }
 };
 template <>
 struct MmaTraits<kvcache::bfloat16> {
@@ -79,6 +81,7 @@ struct MmaTraits<kvcache::bfloat16> {
   static constexpr int kK = 16;
   __device__ static storage from_float(float x) { return __float2bfloat16_rn(x); }
   __device__ static float to_float(storage x) { return __bfloat162float(x); }
+  __device__ static unsigned short bits(storage x) { return __bfloat16_as_ushort(x); }
 };
 template <>
 struct MmaTraits<float> {
@@ -89,17 +92,40 @@ struct MmaTraits<float> {
   __device__ static float to_float(storage x) { return x; }
 };
 
-/// Writes x as kParts values of Traits::storage at dst[0], dst[stride], ...: each the rounding of
-/// what the earlier ones leave of x, so that their sum carries kParts times the storage type's
-/// significand bits of x (tensor-core operands with fp32 accuracy).
+/// Splits x into kParts values of Traits::storage: each the rounding of what the earlier ones
+/// leave of x, so that their sum carries kParts times the storage type's significand bits of x
+/// (tensor-core operands with fp32 accuracy).
 template <class Traits, int kParts>
-__device__ __forceinline__ void store_parts(float x, typename Traits::storage* dst, int stride) {
+__device__ __forceinline__ void split_parts(float x, typename Traits::storage (&parts)[kParts]) {
 #pragma unroll
   for (int part = 0; part < kParts; ++part) {
-    const typename Traits::storage piece = Traits::from_float(x);
-    dst[part * stride] = piece;
-    x -= Traits::to_float(piece);
+    parts[part] = Traits::from_float(x);
+    x -= Traits::to_float(parts[part]);
   }
+}
+
+/// Writes split_parts(x) at dst[0], dst[stride], ...
+template <class Traits, int kParts>
+__device__ __forceinline__ void store_parts(float x, typename Traits::storage* dst, int stride) {
+  typename Traits::storage parts[kParts];
+  split_parts<Traits, kParts>(x, parts);
+#pragma unroll
+  for (int part = 0; part < kParts; ++part) dst[part * stride] = parts[part];
+}
+
+/// The power of two that scales q (its largest magnitude amax) near 2^12, and its inverse:
+/// inside fp16's range, clear of its subnormals, and exact to undo on the scores. 2^(12 - e) for
+/// amax in [2^e, 2^(e+1)) (e >= -114, so that both powers are normal floats); 1 for zero,
+/// subnormal, inf or NaN.
+struct Pow2Scale {
+  float factor = 1.0f;
+  float unscale = 1.0f;
+};
+__device__ __forceinline__ Pow2Scale pow2_scale_near_4096(float amax) {
+  const int e = max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xff) - 127, -114);
+  if (!(amax >= 1.17549435e-38f && amax <= 3.40282347e38f)) return {};
+  return {__uint_as_float(static_cast<unsigned>(12 - e + 127) << 23),
+          __uint_as_float(static_cast<unsigned>(e - 12 + 127) << 23)};
 }
 
 /// The query heads a decode kernel instantiation is unrolled for: the fewest of 4, 8 and 16 that
@@ -219,6 +245,38 @@ __device__ __forceinline__ void for_each_kv_tile(std::int64_t first, std::int64_
   __syncthreads();
 }
 
+/// What one decode block serves, from its index in the grid (splits, KV heads x head chunks,
+/// sequences): keys [begin, end) of sequence seq's visible list `keys` (its query at qpos), and
+/// query heads [h0, h0 + ng) of KV head kv_head.
+struct DecodeBlockWork {
+  int split = 0, seq = 0, kv_head = 0, h0 = 0, ng = 0;
+  std::int64_t qpos = 0, begin = 0, end = 0;
+  KeyRange keys;
+};
+template <Element T>
+__device__ __forceinline__ DecodeBlockWork decode_block_work(const DeviceKVView<T>& view,
+                                                             int num_q_heads, int chunk_group,
+                                                             int num_splits,
+                                                             std::int64_t keys_per_split,
+                                                             const DeviceMask& mask) {
+  DecodeBlockWork w;
+  w.split = static_cast<int>(blockIdx.x);
+  w.seq = static_cast<int>(blockIdx.z);
+  const int group = num_q_heads / view.num_kv_heads;
+  const int num_chunks = (group + chunk_group - 1) / chunk_group;
+  const int chunk = static_cast<int>(blockIdx.y) % num_chunks;
+  w.kv_head = static_cast<int>(blockIdx.y) / num_chunks;
+  w.h0 = w.kv_head * group + chunk * chunk_group;
+  w.ng = min(chunk_group, group - chunk * chunk_group);
+  w.qpos = view.length[w.seq] - 1;
+  w.keys = visible_keys(key_range(view, w.seq), mask, w.qpos);
+  const std::int64_t count = w.keys.count();
+  w.begin = w.split * keys_per_split;
+  // the last split takes whatever is left: a view whose max_keys undercounts runs slower, not wrong
+  w.end = w.split + 1 == num_splits ? count : min(count, w.begin + keys_per_split);
+  return w;
+}
+
 /// Decode attention for fp32 K/V on CUDA cores (fp16/bf16 K/V take decode_attention_mma_kernel).
 /// One block per (split, KV head x head chunk, sequence), its query token at position
 /// length - 1; the block serves query heads [h0, h0 + ng) of the KV head. Per tile: partial q.k
@@ -243,12 +301,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
   static_assert(G <= kMaxGroup && G * (D / 2) % kDecodeThreads == 0);
   constexpr int kPairs = G * (D / 2) / kDecodeThreads;  // float2 accumulators per thread
   constexpr int kElemsPer16 = 16 / static_cast<int>(sizeof(T));
-  const int split = blockIdx.x, seq = blockIdx.z;
-  const int group = num_q_heads / view.num_kv_heads;
-  const int num_chunks = (group + chunk_group - 1) / chunk_group;
-  const int kv_head = blockIdx.y / num_chunks, chunk = blockIdx.y % num_chunks;
-  const int h0 = kv_head * group + chunk * chunk_group;          // first query head of the block
-  const int ng = min(chunk_group, group - chunk * chunk_group);  // query heads of the block
+  const DecodeBlockWork work =
+      decode_block_work(view, num_q_heads, chunk_group, num_splits, keys_per_split, mask);
+  const int split = work.split, seq = work.seq, kv_head = work.kv_head, h0 = work.h0, ng = work.ng;
+  const std::int64_t qpos = work.qpos, begin = work.begin, end = work.end;
+  const KeyRange keys = work.keys;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
   extern __shared__ __align__(128) unsigned char smem[];
@@ -263,13 +320,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float* m_s = s_s + 2 * ng * kDecodeTile;
   float* l_s = m_s + ng;
   float* corr_s = l_s + ng;
-
-  const std::int64_t qpos = view.length[seq] - 1;
-  const KeyRange keys = visible_keys(key_range(view, seq), mask, qpos);
-  const std::int64_t count = keys.count();
-  const std::int64_t begin = split * keys_per_split;
-  // the last split takes whatever is left: a view whose max_keys undercounts runs slower, not wrong
-  const std::int64_t end = split + 1 == num_splits ? count : min(count, begin + keys_per_split);
 
   for (int i = tid; i < ng * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
@@ -459,12 +509,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr int kWarpDims = D / kWarps;  // p.V dims per warp: 16, 32 or 64
   static_assert(kDecodeTile == 16 * kWarps && kWarpDims % 16 == 0);
   static_assert(L::kBytes <= kMaxSmemBytes);
-  const int split = blockIdx.x, seq = blockIdx.z;
-  const int group = num_q_heads / view.num_kv_heads;
-  const int num_chunks = (group + chunk_group - 1) / chunk_group;
-  const int kv_head = blockIdx.y / num_chunks, chunk = blockIdx.y % num_chunks;
-  const int h0 = kv_head * group + chunk * chunk_group;
-  const int ng = min(chunk_group, group - chunk * chunk_group);
+  const DecodeBlockWork work =
+      decode_block_work(view, num_q_heads, chunk_group, num_splits, keys_per_split, mask);
+  const int split = work.split, seq = work.seq, kv_head = work.kv_head, h0 = work.h0, ng = work.ng;
+  const std::int64_t qpos = work.qpos, begin = work.begin, end = work.end;
+  const KeyRange keys = work.keys;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
   extern __shared__ __align__(128) unsigned char smem[];
@@ -482,14 +531,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float* corr_s = l_s + kMaxGroup;
   float* warp_max_s = corr_s + kMaxGroup;  // [kWarps]
 
-  const std::int64_t qpos = view.length[seq] - 1;
-  const KeyRange keys = visible_keys(key_range(view, seq), mask, qpos);
-  const std::int64_t count = keys.count();
-  const std::int64_t begin = split * keys_per_split;
-  const std::int64_t end = split + 1 == num_splits ? count : min(count, begin + keys_per_split);
-
-  // q's largest magnitude (times scale) picks the power of two that scales it near 2^12: inside
-  // fp16's range, clear of its subnormals, and exact to undo
+  // q's largest magnitude (times scale) picks the power of two that scales it near 2^12
   float amax = 0.0f;
   for (int i = tid; i < ng * D; i += kDecodeThreads) {
     const float x = q[(static_cast<std::int64_t>(seq) * num_q_heads + h0 + i / D) * D + i % D];
@@ -508,12 +550,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float block_max = 0.0f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) block_max = fmaxf(block_max, warp_max_s[w]);
-  // 2^(12 - e) for block_max in [2^e, 2^(e+1)) (e >= -114, so that both powers are normal
-  // floats); 1 for zero, subnormal, inf or NaN
-  const int e = max(static_cast<int>((__float_as_uint(block_max) >> 23) & 0xff) - 127, -114);
-  const bool rescale = block_max >= 1.17549435e-38f && block_max <= 3.40282347e38f;
-  const float factor = rescale ? __uint_as_float(static_cast<unsigned>(12 - e + 127) << 23) : 1.0f;
-  const float unscale = rescale ? __uint_as_float(static_cast<unsigned>(e - 12 + 127) << 23) : 1.0f;
+  const Pow2Scale pow2 = pow2_scale_near_4096(block_max);
+  const float factor = pow2.factor, unscale = pow2.unscale;
   for (int i = tid; i < kMaxGroup * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
     const float x =
@@ -613,6 +651,348 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
+/// Query heads one block of decode_attention_warp_kernel serves at most, for fp16 (one pair of
+/// part rows per head) or bf16 (two pairs) and head_dim D: its output accumulators live in
+/// registers, (m-tiles) x D / 2 floats per lane, which must stay within 128.
+__host__ __device__ constexpr int warp_decode_max_group(bool fp16, int head_dim) {
+  const int pairs = fp16 ? 1 : 2;
+  int g = kMaxGroup;
+  while (g > 4 && (g * pairs / 8 > 1 ? g * pairs / 8 : 1) * head_dim > 256) g /= 2;
+  return g;
+}
+
+/// Shared memory of decode_attention_warp_kernel<T, D>: each warp owns kWarpBytes, kStages
+/// stages of a 16-key K tile, V tile (rows padded by 16 bytes: ldmatrix reads 8 rows without bank
+/// conflicts) and their positions. After its keys, a warp's bytes hold its output accumulator
+/// [G][D] and softmax state m[G], l[G] for the block's merge. Stages: the deepest pipeline (2 to
+/// 4) that keeps the block within 75 KiB, so that 3 blocks fit on a multiprocessor.
+template <Element T, int D>
+struct DecodeWarpLayout {
+  using S = typename MmaTraits<T>::storage;
+  static constexpr int kKeys = 16;  // keys per warp tile
+  static constexpr int kWarps = kDecodeThreads / 32;
+  static constexpr int kLd = D + 8;  // row stride, elements
+  static constexpr std::size_t kTile = sizeof(S) * kKeys * kLd;
+  static constexpr std::size_t kStageBytes = 2 * kTile + kKeys * sizeof(std::int64_t);
+  static constexpr std::size_t kFit = 75 * 1024 / (kWarps * kStageBytes);
+  static constexpr int kStages = kFit < 2 ? 2 : kFit > 4 ? 4 : static_cast<int>(kFit);
+  static constexpr std::size_t kWarpBytes = kStages * kStageBytes;
+  static constexpr std::size_t kBytes = kWarps * kWarpBytes;
+  static_assert(tile_row_bytes<T>(D) == kLd * static_cast<int>(sizeof(S)) && kTile % 16 == 0);
+};
+
+/// Two 16-bit operands in one register, lo in the low half.
+template <class Traits>
+__device__ __forceinline__ std::uint32_t pack2(typename Traits::storage lo,
+                                               typename Traits::storage hi) {
+  return static_cast<std::uint32_t>(Traits::bits(lo)) | static_cast<std::uint32_t>(Traits::bits(hi))
+                                                            << 16;
+}
+
+/// parts[j] (unrolled selects, not an indexed load), zero for j >= kParts.
+template <class Traits, int kParts>
+__device__ __forceinline__ typename Traits::storage part_at(
+    const typename Traits::storage (&parts)[kParts], int j) {
+  typename Traits::storage r = Traits::from_float(0.0f);
+#pragma unroll
+  for (int p = 0; p < kParts; ++p) r = p == j ? parts[p] : r;
+  return r;
+}
+
+/// Decode attention for fp16/bf16 K/V on tensor cores, each warp on its own keys: the grid, key
+/// lists, masks and outputs of decode_attention_mma_kernel, without a block-wide barrier per
+/// tile. Warp w of a block takes the 16-key tiles w, w + 4, ... of the block's keys through its
+/// own kStages-deep cp.async pipeline, and keeps q, its output accumulators and its online
+/// softmax in registers (mma.m16n8k16 with documented fragment layouts, warp_mma.cuh); the four
+/// warps' partial results are merged once, at the end.
+///
+/// Rows of the 16-row operands: slot s = 8 mt + (row % 8) of m-tile mt is head s % G, pair s / G;
+/// row r < 8 of a slot holds part 2 pair of q (or p), row r + 8 part 2 pair + 1 (q and p are
+/// split into kParts fp16/bf16 parts as in decode_attention_mma_kernel). So a lane (rows g and
+/// g + 8 of each m-tile) sums its own two rows, the m-tiles of the same head, and, for G = 4,
+/// the lane 16 apart (rows 4-7: the bf16 third part, or zero for fp16), to get a head's scores;
+/// p.V's rows add up the same way, once, at the end.
+template <Element T, int D, int G>
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_attention_warp_kernel(DeviceKVView<T> view, const float* __restrict__ q,
+                                 float* __restrict__ out, float* __restrict__ partial_acc,
+                                 float* __restrict__ partial_ml, int num_q_heads, int chunk_group,
+                                 int num_splits, std::int64_t keys_per_split, DeviceMask mask,
+                                 float scale, float softcap) {
+  using Traits = MmaTraits<T>;
+  using S = typename Traits::storage;
+  using L = DecodeWarpLayout<T, D>;
+  constexpr bool kHalf = std::is_same_v<T, kvcache::half>;
+  constexpr int kParts = kHalf ? 2 : 3;
+  constexpr int kPairs = (kParts + 1) / 2;
+  constexpr int kTiles = G * kPairs / 8 > 1 ? G * kPairs / 8 : 1;  // m-tiles of 16 rows
+  constexpr int kHeadTiles = G >= 8 ? G / 8 : 1;                   // m-tiles per part pair
+  constexpr int kKSteps = D / 16, kDimTiles = D / 8, kWarps = L::kWarps, kStages = L::kStages;
+  constexpr int kRowBytes = L::kLd * static_cast<int>(sizeof(S));
+  static_assert(G == 4 || G == 8 || G == 16);
+  static_assert(G <= warp_decode_max_group(kHalf, D) && (G >= 8 || kTiles == 1));
+  static_assert(L::kBytes <= kMaxSmemBytes);
+  static_assert((G * D + 2 * G) * sizeof(float) <= L::kWarpBytes);
+  const DecodeBlockWork work =
+      decode_block_work(view, num_q_heads, chunk_group, num_splits, keys_per_split, mask);
+  const int split = work.split, seq = work.seq, kv_head = work.kv_head, h0 = work.h0, ng = work.ng;
+  const std::int64_t qpos = work.qpos, begin = work.begin, end = work.end;
+  const KeyRange keys = work.keys;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* const mine = smem + warp * L::kWarpBytes;
+  auto k_at = [&](int b) { return mine + b * L::kStageBytes; };
+  auto v_at = [&](int b) { return mine + b * L::kStageBytes + L::kTile; };
+  auto pos_at = [&](int b) {
+    return reinterpret_cast<std::int64_t*>(mine + b * L::kStageBytes + 2 * L::kTile);
+  };
+
+  const float* q_block = q + (static_cast<std::int64_t>(seq) * num_q_heads + h0) * D;
+
+  // q (times scale and a power of two near 2^12), as A fragments: qa[mt][ks] covers dims
+  // [16 ks, 16 ks + 16) of m-tile mt's rows
+  float amax = 0.0f;
+  for (int i = lane; i < ng * D; i += 32) amax = fmaxf(amax, fabsf(q_block[i] * scale));
+  const Pow2Scale pow2 = pow2_scale_near_4096(warp_max(amax));
+  std::uint32_t qa[kTiles][kKSteps][4];
+#pragma unroll
+  for (int mt = 0; mt < kTiles; ++mt) {
+    const int slot = 8 * mt + g, head = slot % G, pair = slot / G;
+    const bool present = head < ng && pair < kPairs;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // r: row g (+ 8 if odd), dims 2t, 2t + 1 (+ 8 if r >= 2)
+        const int d = 16 * ks + 2 * t + 8 * (r / 2), part = 2 * pair + r % 2;
+        S lo[kParts], hi[kParts];
+        split_parts<Traits, kParts>(present ? q_block[head * D + d] * scale * pow2.factor : 0.0f,
+                                    lo);
+        split_parts<Traits, kParts>(
+            present ? q_block[head * D + d + 1] * scale * pow2.factor : 0.0f, hi);
+        qa[mt][ks][r] = pack2<Traits>(part_at<Traits>(lo, part), part_at<Traits>(hi, part));
+      }
+    }
+  }
+
+  float o[kTiles][kDimTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kTiles; ++mt)
+#pragma unroll
+    for (int nd = 0; nd < kDimTiles; ++nd)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][nd][e] = 0.0f;
+  float m_run[kHeadTiles], l_run[kHeadTiles];  // l_run: this lane's share (its 4 keys per tile)
+#pragma unroll
+  for (int i = 0; i < kHeadTiles; ++i) {
+    m_run[i] = -INFINITY;
+    l_run[i] = 0.0f;
+  }
+
+  auto compute = [&](int buf) {
+    const unsigned char* k_s = k_at(buf);
+    const unsigned char* v_s = v_at(buf);
+    const std::int64_t* pos_s = pos_at(buf);
+    // scores: c[mt][nt] = m-tile mt x keys [8 nt, 8 nt + 8) of the tile
+    float c[kTiles][2][4];
+#pragma unroll
+    for (int mt = 0; mt < kTiles; ++mt)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) c[mt][e / 4][e % 4] = 0.0f;
+    // ldmatrix rows: lane l addresses key 8 (l / 16) + l % 8, dims + 8 ((l / 8) % 2)
+    const unsigned char* k_row = k_s + (8 * (lane / 16) + lane % 8) * kRowBytes +
+                                 8 * ((lane / 8) % 2) * static_cast<int>(sizeof(S));
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      std::uint32_t kb[4];  // B fragments of keys 0-7 (kb[0], kb[1]) and 8-15 (kb[2], kb[3])
+      ldmatrix_x4(kb, k_row + 16 * ks * static_cast<int>(sizeof(S)));
+      const std::uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+#pragma unroll
+      for (int mt = 0; mt < kTiles; ++mt) {
+        mma_16816<S>(c[mt][0], qa[mt][ks], b0);
+        mma_16816<S>(c[mt][1], qa[mt][ks], b1);
+      }
+    }
+    // each lane-head's scores of keys 2t, 2t + 1, 2t + 8, 2t + 9: the sum of its rows
+    float sc[kHeadTiles][4];
+#pragma unroll
+    for (int i = 0; i < kHeadTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sc[i][j] = 0.0f;
+#pragma unroll
+    for (int mt = 0; mt < kTiles; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        sc[mt % kHeadTiles][j] += c[mt][j / 2][j % 2] + c[mt][j / 2][2 + j % 2];
+    if constexpr (G == 4) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sc[0][j] += __shfl_xor_sync(kFullMask, sc[0][j], 16);
+    }
+    std::uint32_t pa[kTiles][4];
+    float corr[kHeadTiles];
+#pragma unroll
+    for (int i = 0; i < kHeadTiles; ++i) {
+      float p[4], tile_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const std::int64_t pos = pos_s[8 * (j / 2) + 2 * t + j % 2];
+        sc[i][j] =
+            transform_score(sc[i][j] * pow2.unscale, softcap, pos >= 0 && mask.visible(qpos, pos));
+        tile_max = fmaxf(tile_max, sc[i][j]);
+      }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
+      const float m_new = fmaxf(m_run[i], tile_max);
+      corr[i] = 1.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) p[j] = 0.0f;
+      if (m_new != -INFINITY) {
+        corr[i] = m_run[i] == -INFINITY ? 0.0f : __expf(m_run[i] - m_new);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) p[j] = sc[i][j] == -INFINITY ? 0.0f : __expf(sc[i][j] - m_new);
+      }
+      m_run[i] = m_new;
+      l_run[i] = l_run[i] * corr[i] + (p[0] + p[1]) + (p[2] + p[3]);
+      S parts[4][kParts];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) split_parts<Traits, kParts>(p[j], parts[j]);
+#pragma unroll
+      for (int mt = i; mt < kTiles; mt += kHeadTiles) {  // the m-tiles of this lane-head
+        const int pair = G >= 8 ? mt / kHeadTiles : g / 4;
+        // A of p (rows x keys): [0] row g keys 2t, 2t+1; [1] row g+8; [2], [3] keys + 8
+        pa[mt][0] =
+            pack2<Traits>(part_at<Traits>(parts[0], 2 * pair), part_at<Traits>(parts[1], 2 * pair));
+        pa[mt][1] = pack2<Traits>(part_at<Traits>(parts[0], 2 * pair + 1),
+                                  part_at<Traits>(parts[1], 2 * pair + 1));
+        pa[mt][2] =
+            pack2<Traits>(part_at<Traits>(parts[2], 2 * pair), part_at<Traits>(parts[3], 2 * pair));
+        pa[mt][3] = pack2<Traits>(part_at<Traits>(parts[2], 2 * pair + 1),
+                                  part_at<Traits>(parts[3], 2 * pair + 1));
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kTiles; ++mt)
+#pragma unroll
+      for (int nd = 0; nd < kDimTiles; ++nd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][nd][e] *= corr[mt % kHeadTiles];
+    // p.V: lane l addresses V row (key) 8 ((l / 8) % 2) + l % 8, dims + 8 (l / 16); transposed,
+    // vb[0], vb[1] are the B fragments of dims [16 n, 16 n + 8), vb[2], vb[3] of the next 8
+    const unsigned char* v_row = v_s + (8 * ((lane / 8) % 2) + lane % 8) * kRowBytes +
+                                 8 * (lane / 16) * static_cast<int>(sizeof(S));
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n) {
+      std::uint32_t vb[4];
+      ldmatrix_x4_trans(vb, v_row + 16 * n * static_cast<int>(sizeof(S)));
+      const std::uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+#pragma unroll
+      for (int mt = 0; mt < kTiles; ++mt) {
+        mma_16816<S>(o[mt][2 * n], pa[mt], b0);
+        mma_16816<S>(o[mt][2 * n + 1], pa[mt], b1);
+      }
+    }
+  };
+
+  // this warp's tiles, kStages - 1 ahead of the one computed on
+  const std::int64_t first = begin + L::kKeys * warp, step = L::kKeys * kWarps;
+  auto load = [&](std::int64_t i, int b) {
+    load_kv_tile<T, D, 32, L::kKeys>(view, seq, kv_head, keys, i, end,
+                                     reinterpret_cast<char*>(k_at(b)),
+                                     reinterpret_cast<char*>(v_at(b)), pos_at(b), lane);
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (first + s * step < end) load(first + s * step, s);
+    __pipeline_commit();
+  }
+  int buf = 0;
+  for (std::int64_t i0 = first; i0 < end; i0 += step) {
+    const std::int64_t ahead = i0 + (kStages - 1) * step;
+    if (ahead < end) load(ahead, buf == 0 ? kStages - 1 : buf - 1);
+    __pipeline_commit();
+    __pipeline_wait_prior(kStages - 1);  // this lane's copies of tile i0 have landed
+    __syncwarp();                        // ... and the warp's
+    compute(buf);
+    __syncwarp();  // the warp is done with this buffer before it is refilled
+    buf = buf + 1 == kStages ? 0 : buf + 1;
+  }
+  __pipeline_wait_prior(0);
+  __syncwarp();
+
+  // this warp's partial result, per head, into its own shared memory: the rows of each head
+  // summed (parts, part pairs, and for G = 4 the lanes 16 apart), l over the lane quad
+  float* o_w = reinterpret_cast<float*>(mine);  // [G][D]
+  float* m_w = o_w + G * D;
+  float* l_w = m_w + G;
+#pragma unroll
+  for (int i = 0; i < kHeadTiles; ++i) {
+    l_run[i] += __shfl_xor_sync(kFullMask, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(kFullMask, l_run[i], 2);
+  }
+#pragma unroll
+  for (int nd = 0; nd < kDimTiles; ++nd) {
+#pragma unroll
+    for (int i = 0; i < kHeadTiles; ++i) {
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        v[e] = 0.0f;
+#pragma unroll
+        for (int mt = i; mt < kTiles; mt += kHeadTiles) v[e] += o[mt][nd][e] + o[mt][nd][2 + e];
+        if constexpr (G == 4) v[e] += __shfl_xor_sync(kFullMask, v[e], 16);
+      }
+      const int head = G >= 8 ? 8 * i + g : g;
+      if (G >= 8 || g < 4) {
+        o_w[head * D + 8 * nd + 2 * t] = v[0];
+        o_w[head * D + 8 * nd + 2 * t + 1] = v[1];
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kHeadTiles; ++i) {
+    const int head = G >= 8 ? 8 * i + g : g;
+    if (t == 0 && (G >= 8 || g < 4)) {
+      m_w[head] = m_run[i];
+      l_w[head] = l_run[i];
+    }
+  }
+  __syncthreads();
+
+  // the block's result: the warps' partials, each weighted by e^(its max - the block's)
+  for (int i = tid; i < ng * D; i += kDecodeThreads) {
+    const int head = i / D, d = i % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      m = fmaxf(m, reinterpret_cast<const float*>(smem + w * L::kWarpBytes)[G * D + head]);
+    }
+    float acc = 0.0f, l = 0.0f;
+    if (m != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float* part = reinterpret_cast<const float*>(smem + w * L::kWarpBytes);
+        const float mw = part[G * D + head];
+        if (mw == -INFINITY) continue;
+        const float weight = __expf(mw - m);
+        acc += part[head * D + d] * weight;
+        l += part[G * D + G + head] * weight;
+      }
+    }
+    const std::int64_t head_row = static_cast<std::int64_t>(seq) * num_q_heads + h0 + head;
+    if (num_splits == 1) {
+      out[head_row * D + d] = l > 0.0f ? acc / l : 0.0f;
+    } else {
+      const std::int64_t part_row = head_row * num_splits + split;
+      partial_acc[part_row * D + d] = acc;
+      if (d == 0) {
+        partial_ml[part_row * 2] = m;
+        partial_ml[part_row * 2 + 1] = l;
+      }
+    }
+  }
+}
+
 /// Combines the splits of each (sequence, query head): out = sum_s acc_s e^(m_s - M) / L.
 template <int D>
 __global__ void decode_merge_kernel(const float* __restrict__ partial_acc,
@@ -640,7 +1020,7 @@ __global__ void decode_merge_kernel(const float* __restrict__ partial_acc,
 /// How one decode launch covers a batch: grid (splits, num_kv_heads x num_chunks, num_seqs).
 struct DecodePlan {
   int chunk_group = 1;              ///< query heads per block
-  int num_chunks = 1;               ///< blocks per KV head (ceil(group / kMaxGroup))
+  int num_chunks = 1;               ///< blocks per KV head (ceil(group / max heads per block))
   int splits = 1;                   ///< blocks along each sequence's keys
   std::int64_t keys_per_split = 0;  ///< a multiple of kDecodeTile; splits x it >= max_keys
 
@@ -678,18 +1058,19 @@ inline int choose_splits(std::int64_t max_keys, std::int64_t units, std::int64_t
   return static_cast<int>(best);
 }
 
-/// Query heads per decode block: a group split into ceil(group / kMaxGroup) equal chunks.
-inline int decode_chunk_group(int group) {
-  const int chunks = (group + kMaxGroup - 1) / kMaxGroup;
+/// Query heads per decode block: a group split into ceil(group / max_group) equal chunks.
+inline int decode_chunk_group(int group, int max_group = kMaxGroup) {
+  const int chunks = (group + max_group - 1) / max_group;
   return (group + chunks - 1) / chunks;
 }
 
 /// The device-independent part of a plan: head chunks, splits and keys per split, for
-/// `slots` resident blocks (multiprocessors x blocks per multiprocessor).
+/// `slots` resident blocks (multiprocessors x blocks per multiprocessor) serving at most
+/// `max_group` query heads each.
 inline DecodePlan plan_decode_grid(int num_seqs, int group, int num_kv_heads, std::int64_t max_keys,
-                                   std::int64_t slots) {
+                                   std::int64_t slots, int max_group = kMaxGroup) {
   DecodePlan p;
-  p.chunk_group = decode_chunk_group(group);
+  p.chunk_group = decode_chunk_group(group, max_group);
   p.num_chunks = (group + p.chunk_group - 1) / p.chunk_group;  // as decode_attention_kernel does
   const std::int64_t units =
       static_cast<std::int64_t>(num_seqs) * num_kv_heads * static_cast<std::int64_t>(p.num_chunks);
@@ -719,6 +1100,37 @@ inline std::int64_t decode_keys(std::int64_t max_keys, const AttentionOptions& o
 
 }  // namespace detail
 
+/// The decode kernels. fp32 K/V take cuda_cores; fp16/bf16 K/V take either tensor-core kernel,
+/// tensor_cores unless a DecodeSetup names the other.
+enum class DecodeKernel : int {
+  cuda_cores = 0,  ///< fp32 K/V on CUDA cores (decode_attention_kernel)
+  /// fp16/bf16: block-wide 64-key tiles, wmma, scores and output in shared memory
+  /// (decode_attention_mma_kernel)
+  tensor_cores = 1,
+  /// fp16/bf16: each warp its own 16-key tiles and pipeline, mma.sync with q, scores and output in
+  /// registers, one merge per block (decode_attention_warp_kernel); fewer heads per block for bf16
+  /// or head_dim 256 (warp_decode_max_group)
+  tensor_cores_per_warp = 2,
+};
+
+/// The enumerator's name, as written above.
+[[nodiscard]] constexpr const char* decode_kernel_name(DecodeKernel kernel) noexcept {
+  switch (kernel) {
+    case DecodeKernel::cuda_cores:
+      return "cuda_cores";
+    case DecodeKernel::tensor_cores:
+      return "tensor_cores";
+    case DecodeKernel::tensor_cores_per_warp:
+      return "tensor_cores_per_warp";
+  }
+  return "unknown";
+}
+
+/// The kernel a DecodeSetup for T K/V takes when none is named.
+template <Element T>
+inline constexpr DecodeKernel default_decode_kernel =
+    std::is_same_v<T, float> ? DecodeKernel::cuda_cores : DecodeKernel::tensor_cores;
+
 /// What a decode launch is sized by on one device, queried once (make_decode_setup) rather than
 /// on every launch: the decode kernel's dynamic shared memory for this dtype, head_dim and GQA
 /// group (its limit raised past 48 KiB on that device), its resident blocks per multiprocessor
@@ -734,16 +1146,40 @@ struct DecodeSetup {
   std::size_t smem_bytes = 0;  ///< dynamic shared memory per decode block
   int blocks_per_sm = 0;       ///< resident decode blocks per multiprocessor (>= 1)
   int num_sms = 0;             ///< multiprocessors of the device
+  DecodeKernel kernel = DecodeKernel::cuda_cores;  ///< the kernel it sizes and launches
 };
 
 namespace detail {
 
-/// Queries the current device for the decode kernel of T and D (decode_attention_kernel<float, D,
-/// G> or decode_attention_mma_kernel<T, D>) serving `group` query heads per KV head, raising its
-/// shared-memory limit there. @throws cuda_error.
+/// @throws shape_error unless `kernel` serves T K/V (cuda_cores: float; the others fp16/bf16).
+template <Element T>
+void check_kernel(DecodeKernel kernel, const char* what) {
+  const bool fp32 = std::is_same_v<T, float>;
+  const bool ok = kernel == DecodeKernel::cuda_cores
+                      ? fp32
+                      : !fp32 && (kernel == DecodeKernel::tensor_cores ||
+                                  kernel == DecodeKernel::tensor_cores_per_warp);
+  if (!ok) {
+    throw shape_error(kvcache::detail::message(what, ": decode kernel ", decode_kernel_name(kernel),
+                                               " (", static_cast<int>(kernel), ") does not serve ",
+                                               dtype_name(dtype_of<T>), " K/V"));
+  }
+}
+
+/// Query heads one block of `setup`'s kernel serves at most.
+inline int decode_max_group(const DecodeSetup& setup) {
+  return setup.kernel == DecodeKernel::tensor_cores_per_warp
+             ? warp_decode_max_group(setup.dtype == DType::f16, setup.head_dim)
+             : kMaxGroup;
+}
+
+/// Queries the current device for `kernel` over T K/V and head_dim D (decode_attention_kernel<
+/// float, D, G>, decode_attention_mma_kernel<T, D> or decode_attention_warp_kernel<T, D, G>)
+/// serving `group` query heads per KV head, raising its shared-memory limit there.
+/// @throws cuda_error.
 template <Element T, int D>
-DecodeSetup query_decode_setup(int group) {
-  DecodeSetup setup{.dtype = dtype_of<T>, .head_dim = D, .group = group};
+DecodeSetup query_decode_setup(int group, DecodeKernel kernel) {
+  DecodeSetup setup{.dtype = dtype_of<T>, .head_dim = D, .group = group, .kernel = kernel};
   check(cudaGetDevice(&setup.device), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&setup.num_sms, cudaDevAttrMultiProcessorCount, setup.device),
         "cudaDeviceGetAttribute(multiProcessorCount)");
@@ -758,6 +1194,14 @@ DecodeSetup query_decode_setup(int group) {
     setup.smem_bytes = decode_smem_bytes<T>(D, chunk_group, decode_stages<T, D>());
     dispatch_head_bucket(
         chunk_group, [&](auto g) { occupancy(decode_attention_kernel<T, D, decltype(g)::value>); });
+  } else if (kernel == DecodeKernel::tensor_cores_per_warp) {
+    constexpr int kMax = warp_decode_max_group(std::is_same_v<T, kvcache::half>, D);
+    setup.smem_bytes = DecodeWarpLayout<T, D>::kBytes;
+    dispatch_head_bucket(decode_chunk_group(group, kMax), [&](auto g) {
+      if constexpr (decltype(g)::value <= kMax) {
+        occupancy(decode_attention_warp_kernel<T, D, decltype(g)::value>);
+      }
+    });
   } else {
     setup.smem_bytes = DecodeMmaSmem<T, D>::kBytes;
     occupancy(decode_attention_mma_kernel<T, D>);
@@ -766,7 +1210,8 @@ DecodeSetup query_decode_setup(int group) {
   return setup;
 }
 
-/// @throws shape_error unless `setup` was made for T, head_dim and group (on any device).
+/// @throws shape_error unless `setup` was made for T, head_dim and group (on any device) and
+///         names a kernel for T.
 template <Element T>
 void check_setup(const DecodeSetup& setup, int head_dim, int group, const char* what) {
   if (setup.dtype != dtype_of<T> || setup.head_dim != head_dim || setup.group != group ||
@@ -776,6 +1221,7 @@ void check_setup(const DecodeSetup& setup, int head_dim, int group, const char* 
         ", group ", setup.group, " (", setup.num_sms, " SMs x ", setup.blocks_per_sm,
         " blocks) used for ", dtype_name(dtype_of<T>), ", head_dim ", head_dim, ", group ", group));
   }
+  check_kernel<T>(setup.kernel, what);
 }
 
 /// The plan of one launch from a setup (which also gives its shared memory): host arithmetic
@@ -783,22 +1229,26 @@ void check_setup(const DecodeSetup& setup, int head_dim, int group, const char* 
 inline DecodePlan plan_decode(const DecodeSetup& setup, int num_seqs, int num_kv_heads,
                               std::int64_t max_keys) {
   const std::int64_t slots = static_cast<std::int64_t>(setup.num_sms) * setup.blocks_per_sm;
-  return plan_decode_grid(num_seqs, setup.group, num_kv_heads, max_keys, slots);
+  return plan_decode_grid(num_seqs, setup.group, num_kv_heads, max_keys, slots,
+                          decode_max_group(setup));
 }
 
 }  // namespace detail
 
 /// The DecodeSetup of the current device for decode attention over T K/V with this head_dim and
-/// num_q_heads / num_kv_heads query heads per KV head. Call it once per device and model, after
-/// cudaSetDevice; pass it to every decode launch on that device (DeviceAttendArgs::decode_setup).
-/// @throws shape_error (head_dim not 64/128/256, num_q_heads not a multiple of num_kv_heads),
-///         cuda_error.
+/// num_q_heads / num_kv_heads query heads per KV head, launching `kernel`. Call it once per device
+/// and model, after cudaSetDevice; pass it to every decode launch on that device
+/// (DeviceAttendArgs::decode_setup).
+/// @throws shape_error (head_dim not 64/128/256, num_q_heads not a multiple of num_kv_heads,
+///         a kernel that does not serve T), cuda_error.
 template <Element T>
-[[nodiscard]] DecodeSetup make_decode_setup(int num_q_heads, int num_kv_heads, int head_dim) {
+[[nodiscard]] DecodeSetup make_decode_setup(int num_q_heads, int num_kv_heads, int head_dim,
+                                            DecodeKernel kernel = default_decode_kernel<T>) {
   detail::check_heads("CUDA decode setup", num_q_heads, num_kv_heads);
+  detail::check_kernel<T>(kernel, "CUDA decode setup");
   DecodeSetup setup;
   detail::dispatch_head_dim(head_dim, [&](auto d) {
-    setup = detail::query_decode_setup<T, decltype(d)::value>(num_q_heads / num_kv_heads);
+    setup = detail::query_decode_setup<T, decltype(d)::value>(num_q_heads / num_kv_heads, kernel);
   });
   return setup;
 }
