@@ -295,7 +295,14 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
                                     {64, 16, 1, {}},
                                     {128, 3, 2, {}},
                                     {64, 32, 1, {}}};
+  // Under AddressSanitizer (kernels emulated on the CPU, 5x slower) the first half: every
+  // head_dim, chunked and unchunked groups, every layout and length; the memory errors it looks
+  // for do not depend on the other groups' arithmetic, which the plain build checks.
+#if defined(__SANITIZE_ADDRESS__)
+  const std::span<const Case> cases(all_cases.data(), all_cases.size() / 2);
+#else
   const std::span<const Case> cases(all_cases);
+#endif
   // long: several splits (and sequences with no keys in most of them), 1 and odd lengths, a
   // block boundary; short: one split, the output written without the merge kernel
   const std::vector<std::size_t> long_lengths{3000, 1, 17, 513, 2049};
