@@ -2,7 +2,8 @@
 // GPU attention figures, timed with CUDA events (decode: 10 launches back to back per sample, so
 // the host's launch work overlaps the device's, as in a decode loop): decode attention (batch 32,
 // 32 query / 8 KV heads, head_dim 128, fp16 K/V) over paged (block 16) and contiguous caches at
-// 4k/16k/32k context, with each fp16 decode kernel (DecodeKernel), as achieved bandwidth (K+V
+// 4k/16k/32k context, with each fp16 decode kernel (DecodeKernel; the per-warp one also at 3 and 4
+// pipeline stages, its output checked against its default depth's), as achieved bandwidth (K+V
 // bytes read / time) next to a device-to-device copy measured in the same run, and next to the
 // block kernel's tile loads alone (what its memory pipeline allows without the arithmetic); and
 // prefill of 2048 new tokens against a 2048-token
@@ -10,6 +11,7 @@
 // a short launch).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -126,10 +128,11 @@ __global__ void __launch_bounds__(kcuda::kDecodeThreads)
 }
 
 struct DecodeResult {
-  kcuda::DecodeKernel kernel;
+  std::string kernel;
   double bandwidth, ms, loads_bandwidth;  // loads: 0 where not measured
   int splits, blocks_per_sm;
   std::size_t smem_bytes;
+  bool valid = true;  // false: its output differs from the same kernel's at the default depth
 };
 
 /// One layer's decode: batch sequences of `context` tokens, a paged or contiguous cache.
@@ -183,6 +186,13 @@ struct DecodeBench {
     kcuda::check_launch("tile_loads_kernel");
   }
 
+  [[nodiscard]] std::vector<float> download_out() const {
+    std::vector<float> host(out.size());
+    kcuda::check(cudaMemcpy(host.data(), out.data(), out.bytes(), cudaMemcpyDeviceToHost),
+                 "download out");
+    return host;
+  }
+
   int batch;
   kcuda::DeviceCache<half> cache;
   kcuda::DeviceBuffer<float> q, out;
@@ -191,7 +201,66 @@ struct DecodeBench {
   kcuda::DeviceBuffer<float> sink;
 };
 
-/// Each fp16 decode kernel over one cache (filled once).
+/// decode_attention_warp_kernel with a kStages-deep pipeline instead of its default, launched as
+/// launch_decode_attention launches it (planned for its own occupancy, then the merge). Its output
+/// must match `reference` (the default depth's), else the figure means nothing (valid = false).
+template <int kStages>
+DecodeResult warp_variant(DecodeBench& b, double bytes, const std::vector<float>& reference) {
+  namespace kd = kcuda::detail;
+  constexpr int G = kQHeads / kKvHeads;
+  static_assert(G == kd::decode_head_bucket(G));
+  auto* kernel = kd::decode_attention_warp_kernel<half, kDim, G, kStages>;
+  constexpr std::size_t smem = kd::DecodeWarpLayout<half, kDim, kStages>::kBytes;
+  kd::allow_smem(kernel, smem);
+  kcuda::DecodeSetup setup = b.setup;
+  setup.smem_bytes = smem;
+  kcuda::check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&setup.blocks_per_sm, kernel,
+                                                             kcuda::kDecodeThreads, smem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const auto view = b.cache.view(0);
+  const auto plan = kd::plan_decode(setup, b.batch, kKvHeads, view.max_keys);
+  const std::size_t need = plan.workspace_bytes(b.batch, kQHeads, kDim);
+  if (b.ws.bytes() < need) b.ws = kcuda::DeviceBuffer<unsigned char>(need);
+  float* acc = reinterpret_cast<float*>(b.ws.data());
+  float* ml = acc + static_cast<std::size_t>(b.batch) * kQHeads * plan.splits * kDim;
+  const dim3 grid(static_cast<unsigned>(plan.splits),
+                  static_cast<unsigned>(kKvHeads * plan.num_chunks),
+                  static_cast<unsigned>(b.batch));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  const auto launch = [&] {
+    kernel<<<grid, kcuda::kDecodeThreads, smem>>>(
+        view, b.q.data(), b.out.data(), acc, ml, kQHeads, plan.chunk_group, plan.splits,
+        plan.keys_per_split, kd::device_mask({}), scale, 0.0f);
+    kcuda::check_launch("decode_attention_warp_kernel (bench depth)");
+    if (plan.splits > 1) {
+      kd::decode_merge_kernel<kDim><<<dim3(static_cast<unsigned>(b.batch), kQHeads), 128>>>(
+          acc, ml, b.out.data(), kQHeads, plan.splits);
+      kcuda::check_launch("decode_merge_kernel (bench depth)");
+    }
+  };
+  const float ms = time_ms(launch, /*batch=*/10);
+  const std::vector<float> got = b.download_out();
+  float worst = 0.0f;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, std::abs(got[i] - reference[i]));
+  }
+  if (!(worst <= 1e-4f)) {
+    std::printf(
+        "decode_attention_warp_kernel with %d stages differs from the default depth by "
+        "%g: its figure below is void\n",
+        kStages, static_cast<double>(worst));
+  }
+  return {"  ... with " + std::to_string(kStages) + " stages",
+          bytes / (ms * 1e-3),
+          ms,
+          0.0,
+          plan.splits,
+          setup.blocks_per_sm,
+          smem,
+          worst <= 1e-4f};
+}
+
+/// Each fp16 decode kernel over one cache (filled once), and the per-warp kernel's other depths.
 std::vector<DecodeResult> decode(kcuda::Layout layout, int context) {
   DecodeBench b(layout, kBatch, context);
   const double bytes = 2.0 * kBatch * static_cast<double>(context) * kKvHeads * kDim * sizeof(half);
@@ -207,9 +276,16 @@ std::vector<DecodeResult> decode(kcuda::Layout layout, int context) {
     // the launch's shape, for reading the figure: splits per sequence and resident blocks
     const auto plan =
         kcuda::detail::plan_decode(b.setup, kBatch, kKvHeads, b.cache.view(0).max_keys);
-    results.push_back({kernel, bytes / (ms * 1e-3), ms, loads, plan.splits, b.setup.blocks_per_sm,
-                       b.setup.smem_bytes});
+    results.push_back({kcuda::decode_kernel_name(kernel), bytes / (ms * 1e-3), ms, loads,
+                       plan.splits, b.setup.blocks_per_sm, b.setup.smem_bytes});
   }
+  // the per-warp kernel's other pipeline depths (b.setup is its setup now, b.out its output)
+  const std::vector<float> reference = b.download_out();
+  const auto depth = [&](auto stages) {
+    results.push_back(warp_variant<decltype(stages)::value>(b, bytes, reference));
+  };
+  depth(std::integral_constant<int, 3>{});
+  depth(std::integral_constant<int, 4>{});
   return results;
 }
 
@@ -296,14 +372,16 @@ int main() {
   std::printf("%-11s %8s %-22s %9s %8s %10s %11s %12s %7s %10s %9s\n", "layout", "context",
               "kernel", "ms", "GB/s", "/ copy bw", "loads GB/s", "loads / copy", "splits",
               "blocks/SM", "smem KiB");
+  bool all_valid = true;
   for (kcuda::Layout layout : {kcuda::Layout::paged, kcuda::Layout::contiguous}) {
     for (int context : {4096, 16384, 32768}) {
       for (const DecodeResult& r : decode(layout, context)) {
+        all_valid = all_valid && r.valid;
         const bool loads = r.loads_bandwidth > 0.0;
         std::printf(
             "%-11s %8d %-22s %9.3f %8.0f %10.3f %11s %12s %7d %10d %9.1f\n",
-            layout == kcuda::Layout::paged ? "paged/16" : "contiguous", context,
-            kcuda::decode_kernel_name(r.kernel), r.ms, r.bandwidth / 1e9, r.bandwidth / copy,
+            layout == kcuda::Layout::paged ? "paged/16" : "contiguous", context, r.kernel.c_str(),
+            r.ms, r.bandwidth / 1e9, r.bandwidth / copy,
             loads ? std::to_string(static_cast<long>(r.loads_bandwidth / 1e9)).c_str() : "-",
             loads ? std::to_string(r.loads_bandwidth / copy).substr(0, 5).c_str() : "-", r.splits,
             r.blocks_per_sm, static_cast<double>(r.smem_bytes) / 1024.0);
@@ -317,5 +395,9 @@ int main() {
       "\nprefill: 2048 new tokens against a 2048-token cached prefix, 32/8 heads, d 128, "
       "fp16: %.3f ms, %.1f TFLOP/s\n",
       ms, tflops);
+  if (!all_valid) {
+    std::printf("a decode figure above is void: its kernel's output was wrong\n");
+    return 1;
+  }
   return 0;
 }

@@ -664,9 +664,10 @@ __host__ __device__ constexpr int warp_decode_max_group(bool fp16, int head_dim)
 /// Shared memory of decode_attention_warp_kernel<T, D>: each warp owns kWarpBytes, kStages
 /// stages of a 16-key K tile, V tile (rows padded by 16 bytes: ldmatrix reads 8 rows without bank
 /// conflicts) and their positions. After its keys, a warp's bytes hold its output accumulator
-/// [G][D] and softmax state m[G], l[G] for the block's merge. Stages: the deepest pipeline (2 to
-/// 4) that keeps the block within 75 KiB, so that 3 blocks fit on a multiprocessor.
-template <Element T, int D>
+/// [G][D] and softmax state m[G], l[G] for the block's merge. Stages: kStagesWanted, or for 0 the
+/// deepest pipeline (2 to 4) that keeps the block within 75 KiB, so that 3 blocks fit on a
+/// multiprocessor (cuda_attention_bench also times other depths).
+template <Element T, int D, int kStagesWanted = 0>
 struct DecodeWarpLayout {
   using S = typename MmaTraits<T>::storage;
   static constexpr int kKeys = 16;  // keys per warp tile
@@ -675,7 +676,9 @@ struct DecodeWarpLayout {
   static constexpr std::size_t kTile = sizeof(S) * kKeys * kLd;
   static constexpr std::size_t kStageBytes = 2 * kTile + kKeys * sizeof(std::int64_t);
   static constexpr std::size_t kFit = 75 * 1024 / (kWarps * kStageBytes);
-  static constexpr int kStages = kFit < 2 ? 2 : kFit > 4 ? 4 : static_cast<int>(kFit);
+  static constexpr int kStages = kStagesWanted > 0      ? kStagesWanted
+                                 : kFit<2 ? 2 : kFit> 4 ? 4
+                                                        : static_cast<int>(kFit);
   static constexpr std::size_t kWarpBytes = kStages * kStageBytes;
   static constexpr std::size_t kBytes = kWarps * kWarpBytes;
   static_assert(tile_row_bytes<T>(D) == kLd * static_cast<int>(sizeof(S)) && kTile % 16 == 0);
@@ -712,7 +715,7 @@ __device__ __forceinline__ typename Traits::storage part_at(
 /// g + 8 of each m-tile) sums its own two rows, the m-tiles of the same head, and, for G = 4,
 /// the lane 16 apart (rows 4-7: the bf16 third part, or zero for fp16), to get a head's scores;
 /// p.V's rows add up the same way, once, at the end.
-template <Element T, int D, int G>
+template <Element T, int D, int G, int kStagesWanted = 0>
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_warp_kernel(DeviceKVView<T> view, const float* __restrict__ q,
                                  float* __restrict__ out, float* __restrict__ partial_acc,
@@ -721,7 +724,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                                  float scale, float softcap) {
   using Traits = MmaTraits<T>;
   using S = typename Traits::storage;
-  using L = DecodeWarpLayout<T, D>;
+  using L = DecodeWarpLayout<T, D, kStagesWanted>;
   constexpr bool kHalf = std::is_same_v<T, kvcache::half>;
   constexpr int kParts = kHalf ? 2 : 3;
   constexpr int kPairs = (kParts + 1) / 2;
