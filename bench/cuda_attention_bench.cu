@@ -226,11 +226,18 @@ DecodeResult warp_variant(DecodeBench& b, double bytes, const std::vector<float>
   const dim3 grid(static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(kKvHeads * plan.num_chunks),
                   static_cast<unsigned>(b.batch));
-  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  const kd::DecodeArgs args{.q = b.q.data(),
+                            .out = b.out.data(),
+                            .partial_acc = acc,
+                            .partial_ml = ml,
+                            .num_q_heads = kQHeads,
+                            .chunk_group = plan.chunk_group,
+                            .num_splits = plan.splits,
+                            .keys_per_split = plan.keys_per_split,
+                            .mask = kd::device_mask({}),
+                            .scale = 1.0f / std::sqrt(static_cast<float>(kDim))};
   const auto launch = [&] {
-    kernel<<<grid, kcuda::kDecodeThreads, smem>>>(
-        view, b.q.data(), b.out.data(), acc, ml, kQHeads, plan.chunk_group, plan.splits,
-        plan.keys_per_split, kd::device_mask({}), scale, 0.0f);
+    kernel<<<grid, kcuda::kDecodeThreads, smem>>>(view, args);
     kcuda::check_launch("decode_attention_warp_kernel (bench depth)");
     if (plan.splits > 1) {
       kd::decode_merge_kernel<kDim><<<dim3(static_cast<unsigned>(b.batch), kQHeads), 128>>>(

@@ -112,13 +112,21 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
     const dim3 grid(static_cast<unsigned>(plan.splits),
                     static_cast<unsigned>(view.num_kv_heads * plan.num_chunks),
                     static_cast<unsigned>(view.num_seqs));
+    const detail::DecodeArgs args{.q = q,
+                                  .out = out,
+                                  .partial_acc = partial_acc,
+                                  .partial_ml = partial_ml,
+                                  .num_q_heads = num_q_heads,
+                                  .chunk_group = plan.chunk_group,
+                                  .num_splits = plan.splits,
+                                  .keys_per_split = plan.keys_per_split,
+                                  .mask = detail::device_mask(opts),
+                                  .scale = scale,
+                                  .softcap = opts.softcap};
     if constexpr (std::is_same_v<T, float>) {
       detail::dispatch_head_bucket(plan.chunk_group, [&](auto g) {
-        constexpr int G = decltype(g)::value;
-        detail::decode_attention_kernel<T, D, G>
-            <<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(
-                view, q, out, partial_acc, partial_ml, num_q_heads, plan.chunk_group, plan.splits,
-                plan.keys_per_split, detail::device_mask(opts), scale, opts.softcap);
+        detail::decode_attention_kernel<T, D, decltype(g)::value>
+            <<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(view, args);
         check_launch("kvcache::cuda::decode_attention_kernel");
       });
     } else if (sized.kernel == DecodeKernel::tensor_cores_per_warp) {
@@ -126,16 +134,13 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
         constexpr int G = decltype(g)::value;
         if constexpr (G <= detail::warp_decode_max_group(std::is_same_v<T, kvcache::half>, D)) {
           detail::decode_attention_warp_kernel<T, D, G>
-              <<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(
-                  view, q, out, partial_acc, partial_ml, num_q_heads, plan.chunk_group, plan.splits,
-                  plan.keys_per_split, detail::device_mask(opts), scale, opts.softcap);
+              <<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(view, args);
           check_launch("kvcache::cuda::decode_attention_warp_kernel");
         }
       });
     } else {  // fp16/bf16 K/V: q.k and p.V on tensor cores
-      detail::decode_attention_mma_kernel<T, D><<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(
-          view, q, out, partial_acc, partial_ml, num_q_heads, plan.chunk_group, plan.splits,
-          plan.keys_per_split, detail::device_mask(opts), scale, opts.softcap);
+      detail::decode_attention_mma_kernel<T, D>
+          <<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(view, args);
       check_launch("kvcache::cuda::decode_attention_mma_kernel");
     }
     if (plan.splits > 1) {

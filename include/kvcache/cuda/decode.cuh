@@ -245,6 +245,21 @@ __device__ __forceinline__ void for_each_kv_tile(std::int64_t first, std::int64_
   __syncthreads();
 }
 
+/// What every decode kernel takes besides the view: one launch's queries, outputs and plan.
+struct DecodeArgs {
+  const float* q = nullptr;      ///< [num_seqs][num_q_heads][head_dim]
+  float* out = nullptr;          ///< like q; written directly when num_splits == 1
+  float* partial_acc = nullptr;  ///< [num_seqs][num_q_heads][num_splits][head_dim] (splits > 1)
+  float* partial_ml = nullptr;   ///< [num_seqs][num_q_heads][num_splits][2]: max, sum (splits > 1)
+  int num_q_heads = 0;
+  int chunk_group = 1;  ///< query heads per block (DecodePlan)
+  int num_splits = 1;
+  std::int64_t keys_per_split = 0;
+  DeviceMask mask;
+  float scale = 1.0f;  ///< softmax scale, applied to q
+  float softcap = 0.0f;
+};
+
 /// What one decode block serves, from its index in the grid (splits, KV heads x head chunks,
 /// sequences): keys [begin, end) of sequence seq's visible list `keys` (its query at qpos), and
 /// query heads [h0, h0 + ng) of KV head kv_head.
@@ -255,10 +270,10 @@ struct DecodeBlockWork {
 };
 template <Element T>
 __device__ __forceinline__ DecodeBlockWork decode_block_work(const DeviceKVView<T>& view,
-                                                             int num_q_heads, int chunk_group,
-                                                             int num_splits,
-                                                             std::int64_t keys_per_split,
-                                                             const DeviceMask& mask) {
+                                                             const DecodeArgs& args) {
+  const int num_q_heads = args.num_q_heads, chunk_group = args.chunk_group;
+  const int num_splits = args.num_splits;
+  const std::int64_t keys_per_split = args.keys_per_split;
   DecodeBlockWork w;
   w.split = static_cast<int>(blockIdx.x);
   w.seq = static_cast<int>(blockIdx.z);
@@ -269,7 +284,7 @@ __device__ __forceinline__ DecodeBlockWork decode_block_work(const DeviceKVView<
   w.h0 = w.kv_head * group + chunk * chunk_group;
   w.ng = min(chunk_group, group - chunk * chunk_group);
   w.qpos = view.length[w.seq] - 1;
-  w.keys = visible_keys(key_range(view, w.seq), mask, w.qpos);
+  w.keys = visible_keys(key_range(view, w.seq), args.mask, w.qpos);
   const std::int64_t count = w.keys.count();
   w.begin = w.split * keys_per_split;
   // the last split takes whatever is left: a view whose max_keys undercounts runs slower, not wrong
@@ -288,11 +303,7 @@ __device__ __forceinline__ DecodeBlockWork decode_block_work(const DeviceKVView<
 /// accumulators are unrolled for.
 template <Element T, int D, int G>
 __global__ void __launch_bounds__(kDecodeThreads)
-    decode_attention_kernel(DeviceKVView<T> view, const float* __restrict__ q,
-                            float* __restrict__ out, float* __restrict__ partial_acc,
-                            float* __restrict__ partial_ml, int num_q_heads, int chunk_group,
-                            int num_splits, std::int64_t keys_per_split, DeviceMask mask,
-                            float scale, float softcap) {
+    decode_attention_kernel(DeviceKVView<T> view, DecodeArgs args) {
   static_assert(std::is_same_v<T, float>, "fp16/bf16 K/V: decode_attention_mma_kernel");
   static_assert(kDecodeThreads == 2 * kDecodeTile, "thread = (key, half of head_dim)");
   constexpr int kStages = decode_stages<T, D>();
@@ -301,8 +312,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   static_assert(G <= kMaxGroup && G * (D / 2) % kDecodeThreads == 0);
   constexpr int kPairs = G * (D / 2) / kDecodeThreads;  // float2 accumulators per thread
   constexpr int kElemsPer16 = 16 / static_cast<int>(sizeof(T));
-  const DecodeBlockWork work =
-      decode_block_work(view, num_q_heads, chunk_group, num_splits, keys_per_split, mask);
+  const DecodeBlockWork work = decode_block_work(view, args);
   const int split = work.split, seq = work.seq, kv_head = work.kv_head, h0 = work.h0, ng = work.ng;
   const std::int64_t qpos = work.qpos, begin = work.begin, end = work.end;
   const KeyRange keys = work.keys;
@@ -323,7 +333,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   for (int i = tid; i < ng * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
-    q_s[i] = q[(static_cast<std::int64_t>(seq) * num_q_heads + h0 + g) * D + d] * scale;
+    q_s[i] =
+        args.q[(static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + g) * D + d] * args.scale;
   }
   for (int g = tid; g < ng; g += kDecodeThreads) {
     m_s[g] = -INFINITY;
@@ -381,7 +392,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
       for (int h = 0; h < 2; ++h) {
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_tile[j];
-        sc[h] = transform_score(s[j] + s_other[j], softcap, pos >= 0 && mask.visible(qpos, pos));
+        sc[h] = transform_score(s[j] + s_other[j], args.softcap,
+                                pos >= 0 && args.mask.visible(qpos, pos));
       }
       float p[2];
       online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane);
@@ -431,19 +443,19 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const int o = a * kDecodeThreads + tid;
     if (a < num_pairs && o < ng * (D / 2)) {
       const int g = o / (D / 2), d = 2 * (o % (D / 2));
-      const std::int64_t head_row = static_cast<std::int64_t>(seq) * num_q_heads + h0 + g;
-      if (num_splits == 1) {
+      const std::int64_t head_row = static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + g;
+      if (args.num_splits == 1) {
         const float l = l_s[g];
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        out[head_row * D + d] = acc[a].x * inv;
-        out[head_row * D + d + 1] = acc[a].y * inv;
+        args.out[head_row * D + d] = acc[a].x * inv;
+        args.out[head_row * D + d + 1] = acc[a].y * inv;
       } else {
-        const std::int64_t part_row = head_row * num_splits + split;
-        partial_acc[part_row * D + d] = acc[a].x;
-        partial_acc[part_row * D + d + 1] = acc[a].y;
+        const std::int64_t part_row = head_row * args.num_splits + split;
+        args.partial_acc[part_row * D + d] = acc[a].x;
+        args.partial_acc[part_row * D + d + 1] = acc[a].y;
         if (d == 0) {
-          partial_ml[part_row * 2] = m_s[g];
-          partial_ml[part_row * 2 + 1] = l_s[g];
+          args.partial_ml[part_row * 2] = m_s[g];
+          args.partial_ml[part_row * 2 + 1] = l_s[g];
         }
       }
     }
@@ -494,11 +506,7 @@ using DecodeMmaSmem = std::conditional_t<DecodeMmaLayout<T, D, 2>::kBytes <= kMa
 /// softmax; warp w rescales and accumulates dims [w D/4, (w + 1) D/4) of p.V for all heads.
 template <Element T, int D>
 __global__ void __launch_bounds__(kDecodeThreads)
-    decode_attention_mma_kernel(DeviceKVView<T> view, const float* __restrict__ q,
-                                float* __restrict__ out, float* __restrict__ partial_acc,
-                                float* __restrict__ partial_ml, int num_q_heads, int chunk_group,
-                                int num_splits, std::int64_t keys_per_split, DeviceMask mask,
-                                float scale, float softcap) {
+    decode_attention_mma_kernel(DeviceKVView<T> view, DecodeArgs args) {
   namespace wmma = nvcuda::wmma;
   using Traits = MmaTraits<T>;
   using S = typename Traits::storage;
@@ -509,8 +517,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr int kWarpDims = D / kWarps;  // p.V dims per warp: 16, 32 or 64
   static_assert(kDecodeTile == 16 * kWarps && kWarpDims % 16 == 0);
   static_assert(L::kBytes <= kMaxSmemBytes);
-  const DecodeBlockWork work =
-      decode_block_work(view, num_q_heads, chunk_group, num_splits, keys_per_split, mask);
+  const DecodeBlockWork work = decode_block_work(view, args);
   const int split = work.split, seq = work.seq, kv_head = work.kv_head, h0 = work.h0, ng = work.ng;
   const std::int64_t qpos = work.qpos, begin = work.begin, end = work.end;
   const KeyRange keys = work.keys;
@@ -534,8 +541,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
   // q's largest magnitude (times scale) picks the power of two that scales it near 2^12
   float amax = 0.0f;
   for (int i = tid; i < ng * D; i += kDecodeThreads) {
-    const float x = q[(static_cast<std::int64_t>(seq) * num_q_heads + h0 + i / D) * D + i % D];
-    amax = fmaxf(amax, fabsf(x * scale));
+    const float x =
+        args.q[(static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + i / D) * D + i % D];
+    amax = fmaxf(amax, fabsf(x * args.scale));
   }
   amax = warp_max(amax);
   if (lane == 0) warp_max_s[warp] = amax;
@@ -555,7 +563,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int i = tid; i < kMaxGroup * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
     const float x =
-        g < ng ? q[(static_cast<std::int64_t>(seq) * num_q_heads + h0 + g) * D + d] * scale * factor
+        g < ng ? args.q[(static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + g) * D + d] *
+                     args.scale * factor
                : 0.0f;
     store_parts<Traits, kParts>(x, q_s + g * L::kLdQ + d, kMaxGroup * L::kLdQ);
   }
@@ -593,8 +602,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
       for (int h = 0; h < 2; ++h) {
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_s[j];
-        sc[h] = transform_score(s_s[g * L::kLdS + j] * unscale, softcap,
-                                pos >= 0 && mask.visible(qpos, pos));
+        sc[h] = transform_score(s_s[g * L::kLdS + j] * unscale, args.softcap,
+                                pos >= 0 && args.mask.visible(qpos, pos));
       }
       float p[2];
       online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane);
@@ -635,17 +644,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   for (int i = tid; i < ng * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
-    const std::int64_t head_row = static_cast<std::int64_t>(seq) * num_q_heads + h0 + g;
+    const std::int64_t head_row = static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + g;
     const float acc = o_s[g * L::kLdO + d];
-    if (num_splits == 1) {
+    if (args.num_splits == 1) {
       const float l = l_s[g];
-      out[head_row * D + d] = l > 0.0f ? acc / l : 0.0f;
+      args.out[head_row * D + d] = l > 0.0f ? acc / l : 0.0f;
     } else {
-      const std::int64_t part_row = head_row * num_splits + split;
-      partial_acc[part_row * D + d] = acc;
+      const std::int64_t part_row = head_row * args.num_splits + split;
+      args.partial_acc[part_row * D + d] = acc;
       if (d == 0) {
-        partial_ml[part_row * 2] = m_s[g];
-        partial_ml[part_row * 2 + 1] = l_s[g];
+        args.partial_ml[part_row * 2] = m_s[g];
+        args.partial_ml[part_row * 2 + 1] = l_s[g];
       }
     }
   }
@@ -653,12 +662,25 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
 /// Query heads one block of decode_attention_warp_kernel serves at most, for fp16 (one pair of
 /// part rows per head) or bf16 (two pairs) and head_dim D: its output accumulators live in
-/// registers, (m-tiles) x D / 2 floats per lane, which must stay within 128.
+/// registers, (m-tiles) x D / 2 floats per lane, which must stay within 128, and its q fragments,
+/// (m-tiles) x D / 4: at most 2 m-tiles (bf16 at head_dim 64 with 16 heads, 4 m-tiles, spilled).
 __host__ __device__ constexpr int warp_decode_max_group(bool fp16, int head_dim) {
   const int pairs = fp16 ? 1 : 2;
   int g = kMaxGroup;
-  while (g > 4 && (g * pairs / 8 > 1 ? g * pairs / 8 : 1) * head_dim > 256) g /= 2;
-  return g;
+  for (;;) {
+    const int m_tiles = g * pairs / 8 > 1 ? g * pairs / 8 : 1;
+    if (g == 4 || (m_tiles * head_dim <= 256 && m_tiles <= 2)) return g;
+    g /= 2;
+  }
+}
+
+/// Blocks of decode_attention_warp_kernel a multiprocessor must hold at once (its launch bound,
+/// which caps registers at 168 for 3): 3 where one m-tile of rows serves all heads and head_dim
+/// is at most 128 (so 3 blocks' shared memory fits too), else 1 (no cap: its accumulators need
+/// the registers).
+__host__ __device__ constexpr int warp_decode_min_blocks(bool fp16, int head_dim, int group) {
+  const int pairs = fp16 ? 1 : 2;
+  return head_dim <= 128 && group * pairs <= 8 ? 3 : 1;
 }
 
 /// Shared memory of decode_attention_warp_kernel<T, D>: each warp owns kWarpBytes, kStages
@@ -716,12 +738,9 @@ __device__ __forceinline__ typename Traits::storage part_at(
 /// the lane 16 apart (rows 4-7: the bf16 third part, or zero for fp16), to get a head's scores;
 /// p.V's rows add up the same way, once, at the end.
 template <Element T, int D, int G, int kStagesWanted = 0>
-__global__ void __launch_bounds__(kDecodeThreads)
-    decode_attention_warp_kernel(DeviceKVView<T> view, const float* __restrict__ q,
-                                 float* __restrict__ out, float* __restrict__ partial_acc,
-                                 float* __restrict__ partial_ml, int num_q_heads, int chunk_group,
-                                 int num_splits, std::int64_t keys_per_split, DeviceMask mask,
-                                 float scale, float softcap) {
+__global__ void __launch_bounds__(kDecodeThreads,
+                                  warp_decode_min_blocks(std::is_same_v<T, kvcache::half>, D, G))
+    decode_attention_warp_kernel(DeviceKVView<T> view, DecodeArgs args) {
   using Traits = MmaTraits<T>;
   using S = typename Traits::storage;
   using L = DecodeWarpLayout<T, D, kStagesWanted>;
@@ -736,8 +755,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   static_assert(G <= warp_decode_max_group(kHalf, D) && (G >= 8 || kTiles == 1));
   static_assert(L::kBytes <= kMaxSmemBytes);
   static_assert((G * D + 2 * G) * sizeof(float) <= L::kWarpBytes);
-  const DecodeBlockWork work =
-      decode_block_work(view, num_q_heads, chunk_group, num_splits, keys_per_split, mask);
+  const DecodeBlockWork work = decode_block_work(view, args);
   const int split = work.split, seq = work.seq, kv_head = work.kv_head, h0 = work.h0, ng = work.ng;
   const std::int64_t qpos = work.qpos, begin = work.begin, end = work.end;
   const KeyRange keys = work.keys;
@@ -752,12 +770,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
     return reinterpret_cast<std::int64_t*>(mine + b * L::kStageBytes + 2 * L::kTile);
   };
 
-  const float* q_block = q + (static_cast<std::int64_t>(seq) * num_q_heads + h0) * D;
+  const float* q_block = args.q + (static_cast<std::int64_t>(seq) * args.num_q_heads + h0) * D;
 
   // q (times scale and a power of two near 2^12), as A fragments: qa[mt][ks] covers dims
   // [16 ks, 16 ks + 16) of m-tile mt's rows
   float amax = 0.0f;
-  for (int i = lane; i < ng * D; i += 32) amax = fmaxf(amax, fabsf(q_block[i] * scale));
+  for (int i = lane; i < ng * D; i += 32) amax = fmaxf(amax, fabsf(q_block[i] * args.scale));
   const Pow2Scale pow2 = pow2_scale_near_4096(warp_max(amax));
   std::uint32_t qa[kTiles][kKSteps][4];
 #pragma unroll
@@ -770,10 +788,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
       for (int r = 0; r < 4; ++r) {  // r: row g (+ 8 if odd), dims 2t, 2t + 1 (+ 8 if r >= 2)
         const int d = 16 * ks + 2 * t + 8 * (r / 2), part = 2 * pair + r % 2;
         S lo[kParts], hi[kParts];
-        split_parts<Traits, kParts>(present ? q_block[head * D + d] * scale * pow2.factor : 0.0f,
-                                    lo);
         split_parts<Traits, kParts>(
-            present ? q_block[head * D + d + 1] * scale * pow2.factor : 0.0f, hi);
+            present ? q_block[head * D + d] * args.scale * pow2.factor : 0.0f, lo);
+        split_parts<Traits, kParts>(
+            present ? q_block[head * D + d + 1] * args.scale * pow2.factor : 0.0f, hi);
         qa[mt][ks][r] = pack2<Traits>(part_at<Traits>(lo, part), part_at<Traits>(hi, part));
       }
     }
@@ -840,8 +858,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const std::int64_t pos = pos_s[8 * (j / 2) + 2 * t + j % 2];
-        sc[i][j] =
-            transform_score(sc[i][j] * pow2.unscale, softcap, pos >= 0 && mask.visible(qpos, pos));
+        sc[i][j] = transform_score(sc[i][j] * pow2.unscale, args.softcap,
+                                   pos >= 0 && args.mask.visible(qpos, pos));
         tile_max = fmaxf(tile_max, sc[i][j]);
       }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
@@ -982,15 +1000,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
         l += part[G * D + G + head] * weight;
       }
     }
-    const std::int64_t head_row = static_cast<std::int64_t>(seq) * num_q_heads + h0 + head;
-    if (num_splits == 1) {
-      out[head_row * D + d] = l > 0.0f ? acc / l : 0.0f;
+    const std::int64_t head_row = static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + head;
+    if (args.num_splits == 1) {
+      args.out[head_row * D + d] = l > 0.0f ? acc / l : 0.0f;
     } else {
-      const std::int64_t part_row = head_row * num_splits + split;
-      partial_acc[part_row * D + d] = acc;
+      const std::int64_t part_row = head_row * args.num_splits + split;
+      args.partial_acc[part_row * D + d] = acc;
       if (d == 0) {
-        partial_ml[part_row * 2] = m;
-        partial_ml[part_row * 2 + 1] = l;
+        args.partial_ml[part_row * 2] = m;
+        args.partial_ml[part_row * 2 + 1] = l;
       }
     }
   }
