@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kvcache/cuda/runtime.cuh"  // nvcc only
+
 namespace kvcache::cuda::detail {
 
 /// Shared-memory address of p for the instructions that take one.
