@@ -260,6 +260,24 @@ struct DecodeArgs {
   float softcap = 0.0f;
 };
 
+/// Writes a block's result for dim d of the query head at head_row (seq * num_q_heads + head):
+/// acc / l into out when the launch has one split, else the split's unnormalised partial (acc,
+/// and at d == 0 the head's m and l) for decode_merge_kernel. 0 for a head with no key (l = 0).
+template <int D>
+__device__ __forceinline__ void store_decode_result(const DecodeArgs& args, std::int64_t head_row,
+                                                    int split, int d, float acc, float m, float l) {
+  if (args.num_splits == 1) {
+    args.out[head_row * D + d] = l > 0.0f ? acc / l : 0.0f;
+    return;
+  }
+  const std::int64_t part_row = head_row * args.num_splits + split;
+  args.partial_acc[part_row * D + d] = acc;
+  if (d == 0) {
+    args.partial_ml[part_row * 2] = m;
+    args.partial_ml[part_row * 2 + 1] = l;
+  }
+}
+
 /// What one decode block serves, from its index in the grid (splits, KV heads x head chunks,
 /// sequences): keys [begin, end) of sequence seq's visible list `keys` (its query at qpos), and
 /// query heads [h0, h0 + ng) of KV head kv_head.
@@ -645,18 +663,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int i = tid; i < ng * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
     const std::int64_t head_row = static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + g;
-    const float acc = o_s[g * L::kLdO + d];
-    if (args.num_splits == 1) {
-      const float l = l_s[g];
-      args.out[head_row * D + d] = l > 0.0f ? acc / l : 0.0f;
-    } else {
-      const std::int64_t part_row = head_row * args.num_splits + split;
-      args.partial_acc[part_row * D + d] = acc;
-      if (d == 0) {
-        args.partial_ml[part_row * 2] = m_s[g];
-        args.partial_ml[part_row * 2 + 1] = l_s[g];
-      }
-    }
+    store_decode_result<D>(args, head_row, split, d, o_s[g * L::kLdO + d], m_s[g], l_s[g]);
   }
 }
 
@@ -865,14 +872,7 @@ __global__ void __launch_bounds__(kDecodeThreads,
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
       const float m_new = fmaxf(m_run[i], tile_max);
-      corr[i] = 1.0f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) p[j] = 0.0f;
-      if (m_new != -INFINITY) {
-        corr[i] = m_run[i] == -INFINITY ? 0.0f : __expf(m_run[i] - m_new);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) p[j] = sc[i][j] == -INFINITY ? 0.0f : __expf(sc[i][j] - m_new);
-      }
+      corr[i] = softmax_rescale(sc[i], p, m_run[i], m_new);
       m_run[i] = m_new;
       l_run[i] = l_run[i] * corr[i] + (p[0] + p[1]) + (p[2] + p[3]);
       S parts[4][kParts];
@@ -988,29 +988,15 @@ __global__ void __launch_bounds__(kDecodeThreads,
     for (int w = 0; w < kWarps; ++w) {
       m = fmaxf(m, reinterpret_cast<const float*>(smem + w * L::kWarpBytes)[G * D + head]);
     }
-    float acc = 0.0f, l = 0.0f;
-    if (m != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float* part = reinterpret_cast<const float*>(smem + w * L::kWarpBytes);
-        const float mw = part[G * D + head];
-        if (mw == -INFINITY) continue;
-        const float weight = __expf(mw - m);
-        acc += part[head * D + d] * weight;
-        l += part[G * D + G + head] * weight;
-      }
-    }
+    const auto part = [&](int w) {
+      return reinterpret_cast<const float*>(smem + w * L::kWarpBytes);
+    };
+    const float2 sums = merge_partials(
+        kWarps, m, [&](int w) { return part(w)[G * D + head]; },
+        [&](int w) { return part(w)[G * D + G + head]; },
+        [&](int w) { return part(w)[head * D + d]; });
     const std::int64_t head_row = static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + head;
-    if (args.num_splits == 1) {
-      args.out[head_row * D + d] = l > 0.0f ? acc / l : 0.0f;
-    } else {
-      const std::int64_t part_row = head_row * args.num_splits + split;
-      args.partial_acc[part_row * D + d] = acc;
-      if (d == 0) {
-        args.partial_ml[part_row * 2] = m;
-        args.partial_ml[part_row * 2 + 1] = l;
-      }
-    }
+    store_decode_result<D>(args, head_row, split, d, sums.x, m, sums.y);
   }
 }
 
@@ -1024,17 +1010,10 @@ __global__ void decode_merge_kernel(const float* __restrict__ partial_acc,
   float m = -INFINITY;
   for (int s = 0; s < num_splits; ++s) m = fmaxf(m, ml[2 * s]);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float num = 0.0f, den = 0.0f;
-    if (m != -INFINITY) {
-      for (int s = 0; s < num_splits; ++s) {
-        const float ms = ml[2 * s];
-        if (ms == -INFINITY) continue;
-        const float w = __expf(ms - m);
-        num += partial_acc[(head_row * num_splits + s) * D + d] * w;
-        den += ml[2 * s + 1] * w;
-      }
-    }
-    out[head_row * D + d] = den > 0.0f ? num / den : 0.0f;
+    const float2 sums = merge_partials(
+        num_splits, m, [&](int s) { return ml[2 * s]; }, [&](int s) { return ml[2 * s + 1]; },
+        [&](int s) { return partial_acc[(head_row * num_splits + s) * D + d]; });
+    out[head_row * D + d] = sums.y > 0.0f ? sums.x / sums.y : 0.0f;
   }
 }
 

@@ -25,6 +25,41 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+/// Raises a running softmax max from m_old to m_new (>= m_old and every score): sets p[j] to the
+/// weight e^(sc[j] - m_new) of each score (0 where masked, -inf) and returns the factor
+/// e^(m_old - m_new) that sums over earlier scores must be scaled by (0 when m_old is -inf). While
+/// every score so far is masked (m_new = -inf), the factor is 1 and every weight 0.
+template <int N>
+__device__ __forceinline__ float softmax_rescale(const float (&sc)[N], float (&p)[N], float m_old,
+                                                 float m_new) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) p[j] = 0.0f;
+  if (m_new == -INFINITY) return 1.0f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) p[j] = sc[j] == -INFINITY ? 0.0f : __expf(sc[j] - m_new);
+  return m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
+}
+
+/// Softmax partials over disjoint key sets (each its max m_i, sum l_i and accumulator acc_i)
+/// combined under their common max m: {sum_i acc_i e^(m_i - m), sum_i l_i e^(m_i - m)}, partials
+/// with no key (m_i = -inf) skipped; {0, 0} when m is -inf. m_at(i), l_at(i), acc_at(i) read
+/// partial i (acc only for partials with keys).
+template <class MAt, class LAt, class AccAt>
+__device__ __forceinline__ float2 merge_partials(int n, float m, MAt&& m_at, LAt&& l_at,
+                                                 AccAt&& acc_at) {
+  float acc = 0.0f, l = 0.0f;
+  if (m != -INFINITY) {
+    for (int i = 0; i < n; ++i) {
+      const float mi = m_at(i);
+      if (mi == -INFINITY) continue;
+      const float weight = __expf(mi - m);
+      acc += acc_at(i) * weight;
+      l += l_at(i) * weight;
+    }
+  }
+  return make_float2(acc, l);
+}
+
 /// One step of a warp's online softmax over 64 scores, two per lane (-inf where masked): raises
 /// the running max *m to include them, rescales the running sum *l and adds their weights, stores
 /// in *corr the factor the accumulator of earlier steps must be scaled by, and returns in p the
@@ -33,15 +68,8 @@ __device__ __forceinline__ float warp_sum(float x) {
 __device__ __forceinline__ void online_softmax_step(const float (&sc)[2], float (&p)[2], float* m,
                                                     float* l, float* corr, int lane) {
   const float tile_max = warp_max(fmaxf(sc[0], sc[1]));
-  const float m_old = *m;
-  const float m_new = fmaxf(m_old, tile_max);
-  float correction = 1.0f;
-  p[0] = p[1] = 0.0f;
-  if (m_new != -INFINITY) {
-    correction = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) p[h] = sc[h] == -INFINITY ? 0.0f : __expf(sc[h] - m_new);
-  }
+  const float m_new = fmaxf(*m, tile_max);
+  const float correction = softmax_rescale(sc, p, *m, m_new);
   const float tile_sum = warp_sum(p[0] + p[1]);
   __syncwarp();  // every lane has read *m before lane 0 overwrites it
   if (lane == 0) {
