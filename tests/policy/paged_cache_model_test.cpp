@@ -1,13 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// Model-based test of PagedCache: thousands of random admit/append/add_tokens/fork/reorder/crop/
-// release/match/evict operations, each checked against a naive model of the same semantics
-// (blocks as records, the prefix index as a map from whole prefixes, LRU as time stamps): stats,
-// lengths, ids, which sequences share which blocks, reference counts, prefix matches, the typed
-// errors, and every view's K/V. At the end every block is free or cached with no references.
+// Model-based test of PagedCache: thousands of random admit/append (with and without ids)/
+// add_tokens/fork/reorder/crop/release/match/evict operations and snapshot round trips into other
+// slots, each checked against a naive model of the same semantics (blocks as records, the prefix
+// index as a map from whole prefixes, LRU as time stamps): stats, lengths, ids, which sequences
+// share which blocks, reference counts, prefix matches, the typed errors, every view's K/V and
+// check_consistency(). Sequences whose layers hold different lengths, ids running ahead of the
+// K/V and eviction pressure are all in the mix; each configuration runs several seeds. At the end
+// every block is free or cached with no references.
 #include <algorithm>
 #include <iostream>
 #include <map>
+#include <string>
 
+#include "kvcache/io/snapshot.hpp"
 #include "kvcache/kvcache.hpp"
 #include "support/cache_helpers.hpp"
 #include "support/catch.hpp"
@@ -23,7 +28,11 @@ struct Params {
   std::size_t block_size, num_blocks, max_batch, max_seq_len;
   bool caching, evict;
   int steps;
+  int seeds;
 };
+
+/// Why an append or add_tokens is refused before any block is touched (position_error).
+enum class IdsError { none, past_ids, untracked, mismatch };
 
 // The naive model.
 class Model {
@@ -134,9 +143,79 @@ class Model {
     commit(s);
   }
 
+  [[nodiscard]] std::size_t longest(std::size_t s) const {
+    return *std::max_element(seqs_[s].len.begin(), seqs_[s].len.end());
+  }
+
+  /// What refuses an append of n tokens to layer l of s (with its ids, where `ids`; `wrong`:
+  /// they claim another token at a registered position).
+  [[nodiscard]] IdsError append_error(std::size_t s, std::size_t l, std::size_t n, bool ids,
+                                      bool wrong) const {
+    const Seq& q = seqs_[s];
+    if (!ids)
+      return q.num_ids != 0 && q.len[l] + n > q.num_ids ? IdsError::past_ids : IdsError::none;
+    if (q.num_ids == 0 && longest(s) != 0) return IdsError::untracked;
+    return wrong ? IdsError::mismatch : IdsError::none;
+  }
+
+  /// append() with ids registers those past the registered ones.
+  void register_with_append(std::size_t s, std::size_t l, std::size_t n) {
+    Seq& q = seqs_[s];
+    q.num_ids = std::max(q.num_ids, q.len[l] + n);
+  }
+
+  [[nodiscard]] bool add_tokens_refused(std::size_t s) const {
+    return seqs_[s].num_ids == 0 && longest(s) != 0;
+  }
+
   void add_tokens(std::size_t s, std::size_t k) {
     seqs_[s].num_ids += k;
     commit(s);
+  }
+
+  /// What restoring `src` (a saved sequence: lengths, planned ids, num_ids) into slot d needs,
+  /// as PagedCache::restore counts it for one named sequence.
+  [[nodiscard]] Need need_for_restore(std::size_t d, const Seq& src) const {
+    const auto [lo, hi] = std::minmax_element(src.len.begin(), src.len.end());
+    const std::size_t nb = (*hi + p_.block_size - 1) / p_.block_size;
+    const std::size_t shared = shared_for_restore(src, *lo, nb).size();
+    std::map<long, std::size_t> held;  // d's blocks and how often d holds each
+    for (long b : seqs_[d].table) ++held[b];
+    std::size_t would_free = 0, would_cache = 0, pinned = 0;
+    for (const auto& [b, n] : held) {
+      if (blocks.at(b).refs == n) ++(blocks.at(b).indexed ? would_cache : would_free);
+    }
+    for (long b : shared_for_restore(src, *lo, nb)) {
+      const auto it = held.find(b);
+      if (blocks.at(b).refs == (it == held.end() ? 0 : it->second)) ++pinned;
+    }
+    Need need;
+    need.needed = nb - shared;
+    need.free = free() + would_free;
+    need.cached = cached() + would_cache - pinned;
+    need.fails = need.needed > need.free && (!p_.evict || need.needed > need.free + need.cached);
+    return need;
+  }
+
+  /// Replaces slot d by the saved sequence src: shares the leading indexed blocks its ids match
+  /// (every layer filling all but the last of them), fresh blocks for the rest, then commits.
+  void restore(std::size_t d, const Seq& src) {
+    const auto [lo, hi] = std::minmax_element(src.len.begin(), src.len.end());
+    const std::size_t shortest = *lo;
+    const std::size_t nb = (*hi + p_.block_size - 1) / p_.block_size;
+    const std::vector<long> shared = shared_for_restore(src, shortest, nb);
+    const Need need = need_for_restore(d, src);
+    for (long b : shared) ++blocks.at(b).refs;
+    release_table(seqs_[d], 0);
+    for (std::size_t i = free(); i < need.needed; ++i) evict_one();
+    Seq& q = seqs_[d];
+    q = src;
+    q.table = shared;
+    while (q.table.size() < nb) q.table.push_back(fresh());
+    const std::size_t committable =
+        p_.caching ? std::min(shortest, src.num_ids) / p_.block_size : 0;
+    q.committed = std::min(shared.size(), committable);
+    commit(d);
   }
 
   void fork(std::size_t src, std::size_t dst) {
@@ -210,6 +289,23 @@ class Model {
       q.table.pop_back();
     }
   }
+  // The indexed blocks a restore of src shares: its leading full blocks of ids that the index
+  // holds, no more than every layer fills plus one, within its longest layer.
+  [[nodiscard]] std::vector<long> shared_for_restore(const Seq& src, std::size_t shortest,
+                                                     std::size_t nb) const {
+    std::vector<long> out;
+    if (!p_.caching) return out;
+    const std::size_t shareable =
+        std::min({src.num_ids / p_.block_size, nb, shortest / p_.block_size + 1});
+    for (std::size_t i = 0; i < shareable; ++i) {
+      const auto it =
+          index.find({src.planned.begin(),
+                      src.planned.begin() + static_cast<std::ptrdiff_t>((i + 1) * p_.block_size)});
+      if (it == index.end()) break;
+      out.push_back(it->second);
+    }
+    return out;
+  }
   void evict_one() {
     auto victim = blocks.end();
     for (auto it = blocks.begin(); it != blocks.end(); ++it) {
@@ -261,6 +357,7 @@ class Model {
 
 constexpr std::size_t kLayers = 2, kHeads = 1, kDim = 4;
 const kvcache::test::SyntheticModel kSynth{kLayers, kHeads, kDim};
+const ModelId kSnapshotModel = ModelId::from_u64(0x5eed0de1ull);
 
 template <class Cache>
 void check_sequence(const Cache& cache, const Model& model, std::size_t s) {
@@ -315,7 +412,7 @@ void check_all(const Cache& cache, const Model& model, std::size_t batch, bool c
 }
 
 template <Element T>
-void run_model_test(const Params& p, const char* name) {
+void run_model_seed(const Params& p, const std::string& name) {
   auto rng = kvcache::test::make_rng(name);
   PagedCache<T> cache({.num_layers = kLayers,
                        .num_kv_heads = kHeads,
@@ -347,7 +444,7 @@ void run_model_test(const Params& p, const char* name) {
   for (int step = 0; step < p.steps; ++step) {
     const std::size_t s = uniform(rng, 0, p.max_batch - 1);
     const auto& q = model.seq(s);
-    const std::size_t op = uniform(rng, 0, 11);
+    const std::size_t op = uniform(rng, 0, 12);
     INFO("step " << step << " op " << op << " sequence " << s);
     if (op <= 1) {  // admit
       if (!model.empty(s)) continue;
@@ -356,10 +453,9 @@ void run_model_test(const Params& p, const char* name) {
       REQUIRE(cache.admit(s, prompt) == model.admit(s, prompt));
       ++done["admit"];
     } else if (op <= 5) {  // append to one layer, or to every layer (a forward pass)
-      std::size_t longest = 0;
-      for (std::size_t len : q.len) longest = std::max(longest, len);
       const std::size_t n = uniform(rng, 1, p.block_size * 2 + 1);
       const bool all_layers = op <= 4;
+      const bool with_ids = uniform(rng, 0, 1) == 0;  // append(layer, seq, ids, k, v)
       for (std::size_t l = 0; l < kLayers; ++l) {
         const std::size_t layer = all_layers ? l : uniform(rng, 0, kLayers - 1);
         const std::size_t len = model.seq(s).len[layer];
@@ -375,12 +471,38 @@ void run_model_test(const Params& p, const char* name) {
         }
         model.plan(s, len + n, rng);
         const auto kv = kSynth.kv(layer, model.seq(s).planned, len, n);
+        std::vector<token_id> ids(
+            model.seq(s).planned.begin() + static_cast<std::ptrdiff_t>(len),
+            model.seq(s).planned.begin() + static_cast<std::ptrdiff_t>(len + n));
+        // Now and then an id that disagrees with the one registered at its position.
+        const bool wrong = with_ids && len < model.seq(s).num_ids && uniform(rng, 0, 5) == 0;
+        if (wrong) ids[uniform(rng, 0, std::min(n, model.seq(s).num_ids - len) - 1)] += 10;
+        const auto do_append = [&] {
+          if (with_ids) {
+            cache.append(layer, s, ids, kv.k_block(0, n), kv.v_block(0, n));
+          } else {
+            cache.append(layer, s, kv.k_block(0, n), kv.v_block(0, n));
+          }
+        };
+        if (const IdsError refused = model.append_error(s, layer, n, with_ids, wrong);
+            refused != IdsError::none) {
+          const auto before = kvcache::test::paged_state(cache);
+          const char* what = refused == IdsError::past_ids    ? "registered token ids"
+                             : refused == IdsError::untracked ? "without token ids"
+                                                              : "is registered";
+          kvcache::test::require_throws<position_error>(do_append, what);
+          REQUIRE(kvcache::test::paged_state(cache) == before);
+          ++done[refused == IdsError::past_ids    ? "append past the ids refused"
+                 : refused == IdsError::untracked ? "append with ids to untracked refused"
+                                                  : "append of other ids refused"];
+          break;
+        }
         const auto need = model.need_for_append(s, layer, n);
         if (need.fails) {
           const auto before = kvcache::test::paged_state(cache);
           bool thrown = false;
           try {
-            cache.append(layer, s, kv.k_block(0, n), kv.v_block(0, n));
+            do_append();
           } catch (const pool_exhausted_error& e) {
             thrown = true;
             REQUIRE(e.needed() == need.needed);
@@ -393,16 +515,26 @@ void run_model_test(const Params& p, const char* name) {
           break;
         }
         if (need.needed > need.free) ++done["append with eviction"];
-        cache.append(layer, s, kv.k_block(0, n), kv.v_block(0, n));
+        do_append();
+        if (with_ids) model.register_with_append(s, layer, n);
         model.append(s, layer, n);
-        ++done["append"];
+        ++done[with_ids ? "append with ids" : "append"];
         if (!all_layers) break;
       }
     } else if (op == 6) {  // register ids, possibly ahead of their K/V
       const std::size_t k = uniform(rng, 1, p.block_size + 1);
       if (q.num_ids + k > p.max_seq_len) continue;
       model.plan(s, q.num_ids + k, rng);
-      cache.add_tokens(s, std::span<const token_id>(model.seq(s).planned).subspan(q.num_ids, k));
+      const auto ids = std::span<const token_id>(model.seq(s).planned).subspan(q.num_ids, k);
+      if (model.add_tokens_refused(s)) {
+        const auto before = kvcache::test::paged_state(cache);
+        kvcache::test::require_throws<position_error>([&] { cache.add_tokens(s, ids); },
+                                                      "without token ids");
+        REQUIRE(kvcache::test::paged_state(cache) == before);
+        ++done["add_tokens to untracked refused"];
+        continue;
+      }
+      cache.add_tokens(s, ids);
       model.add_tokens(s, k);
       ++done["add_tokens"];
     } else if (op == 7) {  // fork
@@ -430,6 +562,35 @@ void run_model_test(const Params& p, const char* name) {
       cache.reorder(dst, src);
       model.reorder(dst, src);
       ++done["reorder"];
+    } else if (op == 12) {  // save s, load it into a slot (another, or s itself)
+      const std::size_t dst = uniform(rng, 0, p.max_batch - 1);
+      const std::vector<std::size_t> from{s}, to{dst};
+      const auto bytes = snapshot_to_bytes(cache, kSnapshotModel, from);
+      const auto saved = model.seq(s);
+      const auto need = model.need_for_restore(dst, saved);
+      if (need.fails) {
+        const auto before = kvcache::test::paged_state(cache);
+        bool thrown = false;
+        try {
+          load_snapshot_bytes(bytes, cache, kSnapshotModel, {.dest_seqs = to});
+        } catch (const pool_exhausted_error& e) {
+          thrown = true;
+          REQUIRE(e.needed() == need.needed);
+          REQUIRE(e.free() == need.free);
+          REQUIRE(e.evictable() == need.cached);
+        }
+        REQUIRE(thrown);
+        REQUIRE(kvcache::test::paged_state(cache) == before);
+        ++done["restore pool exhausted"];
+      } else {
+        const std::size_t evictions = model.evictions;
+        load_snapshot_bytes(bytes, cache, kSnapshotModel, {.dest_seqs = to});
+        model.restore(dst, saved);
+        ++done[dst == s ? "restore into itself" : "restore into another slot"];
+        if (model.evictions != evictions) ++done["restore with eviction"];
+        const auto [lo, hi] = std::minmax_element(saved.len.begin(), saved.len.end());
+        if (*lo != *hi) ++done["restore of unequal layers"];
+      }
     } else {  // evict a few cached blocks, probe the index
       const std::size_t k = uniform(rng, 0, 2);
       REQUIRE(cache.evict_cached(k) == model.evict_cached(k));
@@ -447,6 +608,10 @@ void run_model_test(const Params& p, const char* name) {
   REQUIRE(done["admit"] > 0);
   REQUIRE(done["fork"] > 0);
   REQUIRE(done["reorder"] > 0);
+  REQUIRE(done["append with ids"] > 0);
+  REQUIRE(done["append past the ids refused"] > 0);
+  REQUIRE(done["restore into another slot"] > 0);
+  REQUIRE(done["restore of unequal layers"] > 0);
   if (p.evict) REQUIRE(done["append with eviction"] > 0);
   if (!p.evict) REQUIRE(done["pool exhausted"] > 0);
   if (p.caching) REQUIRE(model.reused > 0);
@@ -467,19 +632,26 @@ void run_model_test(const Params& p, const char* name) {
   REQUIRE(cache.stats().blocks_free == p.num_blocks);
 }
 
+// p.seeds runs, each from its own seed (derived from the run's base seed and the name).
+template <Element T>
+void run_model_test(const Params& p, const char* name) {
+  for (int i = 0; i < p.seeds; ++i)
+    run_model_seed<T>(p, std::string(name) + "#" + std::to_string(i));
+}
+
 }  // namespace
 
 TEST_CASE("PagedCache agrees with a naive model over thousands of random operations") {
   SECTION("blocks of 4, eviction on") {
-    run_model_test<float>({4, 24, 5, 40, true, true, 6000}, "model-bs4-evict");
+    run_model_test<float>({4, 24, 5, 40, true, true, 6000, 8}, "model-bs4-evict");
   }
   SECTION("blocks of 3, eviction off: pool exhaustion errors") {
-    run_model_test<half>({3, 20, 5, 36, true, false, 6000}, "model-bs3-noevict");
+    run_model_test<half>({3, 20, 5, 36, true, false, 6000, 6}, "model-bs3-noevict");
   }
   SECTION("blocks of 1, tight pool") {
-    run_model_test<bfloat16>({1, 40, 4, 30, true, true, 4000}, "model-bs1");
+    run_model_test<bfloat16>({1, 40, 4, 30, true, true, 4000, 6}, "model-bs1");
   }
   SECTION("prefix caching off") {
-    run_model_test<float>({4, 14, 5, 40, false, false, 3000}, "model-nocache");
+    run_model_test<float>({4, 14, 5, 40, false, false, 3000, 4}, "model-nocache");
   }
 }

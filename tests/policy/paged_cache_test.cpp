@@ -305,15 +305,16 @@ TEST_CASE(
     kModel.run_prompt(cache, 0, ids);
     cache.fork(0, 1);  // forking needs no block
     REQUIRE(cache.stats().blocks_free == 0);
+    const auto ids1 = concat(ids, {9});
+    cache.add_tokens(1, std::span<const token_id>(ids1).subspan(10));  // the id, then its K/V
     const auto before = kvcache::test::paged_state(cache);
-    const auto kv = kModel.kv(0, concat(ids, {9}), 10, 1);
+    const auto kv = kModel.kv(0, ids1, 10, 1);
     require_throws<pool_exhausted_error>(
         [&] { cache.append(0, 1, kv.k_block(0, 1), kv.v_block(0, 1)); }, "sequence 1",
         "needs 1 blocks", "0 free", "0 evictable");
     REQUIRE(kvcache::test::paged_state(cache) == before);
     cache.release(0);  // now sequence 1 holds block 2 alone and writes it in place
-    auto ids1 = ids;
-    kModel.decode(cache, 1, ids1, 9);
+    kModel.prefill(cache, 1, ids1, 10, 1);
     REQUIRE(cache.stats().cow_copies == 0);
     kModel.require_attention_matches(cache, 1, ids1, rng);
   }
@@ -378,13 +379,20 @@ TEST_CASE("a block is indexed once every layer holds it and its ids are register
   cache.append(1, 0, kv1.k_block(5, 3), kv1.v_block(5, 3));
   REQUIRE(cache.match_prefix(p) == 8);
 
-  // K/V appended without ids is never shared ... until its ids are registered
+  // K/V appended without ids is never shared, nor can ids be claimed for it afterwards
   const auto q = iota_ids(8, 30);
   kModel.prefill(cache, 1, q, 0, 8);
   REQUIRE(cache.match_prefix(q) == 0);
+  require_throws<position_error>([&] { cache.add_tokens(1, q); }, "add_tokens to sequence 1",
+                                 "without token ids");
+  cache.release(1);
+  // ids first: a block is indexed when the last layer's K/V completes it
   cache.add_tokens(1, std::span<const token_id>(q).first(6));
+  kModel.prefill(cache, 1, q, 0, 6);
   REQUIRE(cache.match_prefix(q) == 4);
   cache.add_tokens(1, std::span<const token_id>(q).subspan(6));
+  REQUIRE(cache.match_prefix(q) == 4);
+  kModel.prefill(cache, 1, q, 6, 2);
   REQUIRE(cache.match_prefix(q) == 8);
 
   // ids registered ahead of K/V index nothing

@@ -53,15 +53,18 @@ struct PrefixCacheStats {
 ///  2. `cc.match_prefix(ids)` -> std::size_t: how many leading tokens of ids are cached now
 ///     (a query; changes nothing).
 ///  3. `c.add_tokens(seq, ids)`: registers the ids of further tokens (e.g. each sampled token),
-///     before or after their K/V are appended.
+///     before their K/V is appended: a token's id comes before (or with) its K/V, so that an
+///     append of K/V past the registered ids is refused at once (position_error) rather than
+///     leaving ids and K/V to disagree.
 ///  4. `cc.tokens(seq)` -> std::span<const token_id>: the ids registered for seq.
 ///  5. `c.fork(seq, dst)`: the empty sequence dst becomes a copy of seq that shares its K/V.
 ///  6. `c.release(seq)`: forgets seq (as reset); K/V other requests may reuse stays cached.
 ///  7. `cc.stats()` -> PrefixCacheStats.
 ///
 /// Semantics the compiler cannot check: sharing is exact, never approximate. K/V is shared only
-/// for token ids equal to the ones it was computed for, in the same prefix; a sequence never sees
-/// K/V appended by another sequence for different tokens.
+/// for token ids equal to the ones it was computed for, in the same prefix, and only where the ids
+/// and the K/V of every layer both cover it; a sequence never sees K/V appended by another
+/// sequence for different tokens. A sequence with ids never holds K/V past them.
 template <class C>
 concept PrefixCacheConcept = CacheConcept<C> &&
     requires(C& c, const C& cc, std::size_t seq, std::size_t dst, std::span<const token_id> ids) {

@@ -711,7 +711,8 @@ SnapshotInfo load_snapshot_bytes(std::span<const std::byte> bytes, C& cache,
 ///         snapshot_mismatch_error (valid, but for another model or shape, or too large for the
 ///         destination), batch_error / shape_error (bad dest_seqs), pool_exhausted_error (a
 ///         PagedCache whose pool lacks the blocks; names needed, free, evictable),
-///         std::bad_alloc.
+///         position_error (a PagedCache sequence whose K/V runs past its token ids, which no
+///         PagedCache of this version writes), std::bad_alloc.
 template <SnapshotCache C>
 SnapshotInfo load_snapshot(const std::filesystem::path& path, C& cache, const ModelId& model_id,
                            const LoadOptions& options = {}) {

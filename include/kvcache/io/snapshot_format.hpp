@@ -87,7 +87,9 @@ static_assert(std::endian::native == std::endian::little,
 ///     8    8  num_token_ids    0 unless META flag bit 0; at most every layer's length, except
 ///                              for PagedCache: at most max_seq_len (a paged sequence may
 ///                              register ids ahead of their K/V: an admitted prompt not yet
-///                              prefilled, a sampled token not yet appended)
+///                              prefilled, a sampled token not yet appended), and, when not
+///                              0, at least every layer's length (PagedCache::restore refuses
+///                              K/V past the ids with position_error)
 ///    16       per layer, 24 bytes: length, sink_end, recent_begin (what the layer's view
 ///             reports: positions [0, sink_end) and [recent_begin, length) are held, with
 ///             0 <= sink_end <= recent_begin <= length). StaticCache, DynamicCache and

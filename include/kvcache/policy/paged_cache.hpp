@@ -120,28 +120,47 @@ static_assert(KVView<PagedView<float>>);
 /// copies it (copy-on-write), so the other holders see no change.
 ///
 /// Token ids and commitment. A sequence also has token ids: admit() registers the whole prompt,
-/// add_tokens() further ones (each sampled token), before or after their K/V. Block i is
-/// *committed* once it is full in every layer and the ids of all its positions are registered:
-/// its K/V is then final. Committed blocks are indexed (in order: block i after block i - 1) at
-/// the end of the append() or add_tokens() that completes them; if an equal block (same prefix,
-/// same ids) is already indexed, the sequence switches to that one and frees its own copy. Only
-/// a block the sequence holds alone is inserted; one still shared with a fork (forked before it
-/// was committed) waits until the others have copied or released it. Appending K/V without ever
-/// registering ids is allowed: such blocks are never indexed. The caller's contract: the id
-/// registered for position p is the token whose K/V is at p.
+/// add_tokens() further ones (each sampled token), and append() with ids registers the ids of
+/// the K/V it appends. The rule that keeps ids and K/V from disagreeing: **a token's id is
+/// registered before (or with) its K/V**. A sequence with at least one id is *tracked*: in every
+/// layer its K/V never runs past its ids (layer_length(l, seq) <= tokens(seq).size()), and the
+/// first call that would break this throws position_error and changes nothing:
+///  - append(layer, seq, k, v) of positions past the registered ids;
+///  - add_tokens() or append() with ids on an *untracked* sequence (no ids) that already holds
+///    K/V in some layer: nothing ties that K/V to ids any more (crop it to 0 or release it);
+///  - append(layer, seq, ids, k, v) whose ids differ from the ones registered at the same
+///    positions (the K/V of another token than the one the sequence holds there);
+///  - restore() of a sequence given ids and K/V longer than them.
+/// A sequence that never registers ids (plain CacheConcept use) takes K/V freely and is never
+/// indexed. Block i is *committed* once it is full in every layer and the ids of all its
+/// positions are registered: its K/V is then final. Committed blocks are indexed (in order: block
+/// i after block i - 1) at the end of the append() or add_tokens() that completes them; if an
+/// equal block (same prefix, same ids) is already indexed, the sequence switches to that one and
+/// frees its own copy. Only a block the sequence holds alone is inserted; one still shared with a
+/// fork (forked before it was committed) waits until the others have copied or released it. The
+/// caller's contract, which no count can check: the id registered for position p is the token
+/// whose K/V is appended at p (append() with ids checks it in every layer after the first).
+///
+/// Where indexed blocks sit: a sequence holds indexed blocks only as a leading run of its table,
+/// each under its predecessor, with its own ids at every position its K/V covers there, and
+/// every layer holding all positions before the run's last block (only that one may be filled in
+/// part, as after admit() of a wholly cached prompt). A write into an indexed block therefore
+/// only ever copies the last one, never a parent whose child the sequence keeps.
 ///
 /// Prefix index (see PrefixIndex): a trie of committed blocks keyed by (parent block, ids),
 /// through a chained hash, every hit confirmed by comparing ids. admit() walks it and shares the
 /// longest match. When the last holder of an indexed block lets go it stays indexed as *cached*
 /// (evictable); eviction takes the least recently released cached block. Every holder of an
-/// indexed block holds its parent too (blocks are shared as whole prefixes, and only blocks held
-/// alone are inserted), and releases children before parents, so the LRU front is always a leaf
-/// of the trie and every cached block is evictable (eviction still only ever removes leaves;
-/// check_consistency() verifies the order).
+/// indexed block holds its parent too (see "Where indexed blocks sit"), and releases children
+/// before parents, so the LRU front is always a leaf of the trie and every cached block is
+/// evictable. Eviction still only ever removes leaves, and plans before it evicts: it walks the
+/// LRU list from the front (never past its end) for blocks whose children are all gone before
+/// them; check_consistency() verifies the order.
 ///
 /// Pool exhaustion: an operation that needs more blocks than are free throws
 /// pool_exhausted_error (a capacity_error naming blocks needed, free and evictable) and changes
-/// nothing, unless config.evict_when_full lets it evict cached blocks first.
+/// nothing, unless config.evict_when_full lets it evict cached blocks first; when too few of them
+/// can be evicted, it throws the same error (evictable: how many could) and evicts none.
 ///
 /// Thread safety. Operations on *different* sequences may run concurrently from any threads:
 /// admit, append, add_tokens, view, crop, reset/release, fork(src, dst) (which reads src and
@@ -202,59 +221,37 @@ class PagedCache {
   /// the blocks this completes (see "Token ids and commitment"). Never allocates.
   /// O(n * num_kv_heads * head_dim), plus O(num_layers * block) per copied block.
   /// @throws layer_error, batch_error, shape_error, capacity_error (past max_seq_len),
+  ///         position_error (a tracked sequence: positions past its registered ids),
   ///         pool_exhausted_error; the cache is unchanged on throw.
   template <class U>
   requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
   float > void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
-    const In kin = k, vin = v;
-    detail::check_layer(kName, layer, shape_.num_layers);
-    detail::check_seq(kName, seq, max_batch_);
-    const std::size_t n = detail::check_kv_input(kName, shape_, kin, vin);
-    std::size_t& len = lengths_[seq * shape_.num_layers + layer];
-    if (n > max_seq_len_ - len) {
-      throw capacity_error(detail::message(kName, ": append of ", n, " tokens to sequence ", seq,
-                                           " layer ", layer, " exceeds max_seq_len ", max_seq_len_,
-                                           " (holds ", len, ")"));
+    append_rows(layer, seq, nullptr, In(k), In(v));
+  }
+
+  /// append() of the K/V of the tokens `ids` (one id per token, ids.size() == k.num_tokens) at
+  /// positions p = layer_length(layer, seq) .. p + n - 1: ids at positions already registered
+  /// must equal those (the K/V is then checked to be the registered tokens'), the others are
+  /// registered here, so the engine's loop needs no add_tokens(). The first layer of a forward
+  /// pass registers a step's ids, every later layer confirms them:
+  ///   for each layer l: cache.append(l, seq, step_ids, k_l, v_l);
+  /// Never allocates. O(n * num_kv_heads * head_dim), plus as append().
+  /// @throws as append(); shape_error (ids.size() != n); position_error (an id differs from
+  ///         the one registered at its position, naming both; or an untracked sequence holding
+  ///         K/V); the cache is unchanged on throw.
+  template <class U>
+  requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
+  float > void append(std::size_t layer, std::size_t seq, std::span<const token_id> ids,
+                      TokenBlock<U> k, TokenBlock<U> v) {
+    using In = TokenBlock<const std::remove_const_t<U>>;
+    const In kin = k;
+    if (ids.size() != kin.num_tokens) {
+      throw shape_error(detail::message(kName, ": append of ", ids.size(),
+                                        " token ids with the K/V of ", kin.num_tokens,
+                                        " tokens to sequence ", seq, " layer ", layer));
     }
-    Sequence& s = seqs_[seq];
-    block_id* table = table_of(seq);
-    CowEntry* cow = cow_.data() + seq * max_blocks_per_seq_;
-    const std::size_t first = len / block_size_;
-    const std::size_t end = (len + n + block_size_ - 1) / block_size_;
-    std::size_t num_cow = 0;
-    {
-      std::lock_guard lock(shared_->mutex);
-      BlockPool& pool = shared_->pool;
-      for (std::size_t i = first; i < std::min(end, s.num_blocks); ++i) {
-        if (!writable(pool, table[i])) ++num_cow;
-      }
-      const std::size_t fresh = end > s.num_blocks ? end - s.num_blocks : 0;
-      reserve_locked(fresh + num_cow, [&] {
-        return detail::message(kName, ": append of ", n, " tokens to sequence ", seq, " layer ",
-                               layer, " (holds ", len, ")");
-      });
-      for (std::size_t i = first, c = 0; c < num_cow; ++i) {
-        if (writable(pool, table[i])) continue;
-        cow[c++] = {i, table[i]};
-        table[i] = pool.allocate();
-      }
-      for (std::size_t i = s.num_blocks; i < end; ++i) table[i] = pool.allocate();
-      s.num_blocks = std::max(s.num_blocks, end);
-      shared_->cow_copies += num_cow;
-    }
-    if (num_cow != 0) {
-      // The old blocks are still held (their counts were not dropped), so nobody can evict or
-      // reuse them while they are copied; the new ones are this sequence's alone.
-      for (std::size_t c = 0; c < num_cow; ++c) {
-        copy_block(seq, cow[c].index, cow[c].from, table[cow[c].index]);
-      }
-      std::lock_guard lock(shared_->mutex);
-      for (std::size_t c = num_cow; c-- > 0;) shared_->pool.release(cow[c].from);
-    }
-    write_rows(layer, table, len, kin, vin);
-    len += n;
-    commit(seq);
+    append_rows(layer, seq, ids.data(), kin, In(v));
   }
 
   /// View over `layer` of `seq`: one segment per block. O(1). @throws layer_error, batch_error.
@@ -361,9 +358,11 @@ class PagedCache {
     return shared_->index.matched_blocks(ids) * block_size_;
   }
 
-  /// Registers the ids of the tokens at positions tokens(seq).size() .. + ids.size() - 1, then
-  /// indexes the blocks this completes. Never allocates. O(ids.size()).
-  /// @throws batch_error; capacity_error past max_seq_len. Unchanged on throw.
+  /// Registers the ids of the tokens at positions tokens(seq).size() .. + ids.size() - 1, ahead
+  /// of their K/V (see "Token ids and commitment"), then indexes the blocks this completes.
+  /// Never allocates. O(ids.size()).
+  /// @throws batch_error; capacity_error past max_seq_len; position_error when seq has no ids
+  ///         but holds K/V (appended without ids, so not theirs to claim). Unchanged on throw.
   void add_tokens(std::size_t seq, std::span<const token_id> ids) {
     detail::check_seq(kName, seq, max_batch_);
     Sequence& s = seqs_[seq];
@@ -372,6 +371,8 @@ class PagedCache {
                                            " ids to sequence ", seq, " exceeds max_seq_len ",
                                            max_seq_len_, " (holds ", s.num_tokens, " ids)"));
     }
+    if (ids.empty()) return;
+    require_trackable("add_tokens to", seq);
     std::ranges::copy(ids, table_tokens(seq) + s.num_tokens);
     s.num_tokens += ids.size();
     commit(seq);
@@ -467,13 +468,17 @@ class PagedCache {
   /// that an entry or `tokens` names) by the one described; other sequences are untouched.
   /// A named sequence's previous blocks are released (as release() would); its leading blocks
   /// whose ids it has and that equal a block already indexed (same prefix, same ids, as
-  /// admit() would match, even where its K/V fill them only in part) or a block full in every
-  /// layer, with its ids, of another sequence named in the same call share that block,
-  /// their K/V rows in the entries unread (so sequences that shared a prefix when saved share
-  /// it again, in a pool of the same size); fresh blocks are taken from the pool for the rest of
-  /// the positions of its longest restored layer and the K/V rows copied in; its ids are registered
-  /// (those `tokens` gives it; none if it gives none), and a layer without an entry is left empty.
-  /// Ids may run ahead of the K/V (as after admit()). Then the normal commit path runs, as after
+  /// admit() would match) or a block full in every layer, with its ids, of another sequence
+  /// named in the same call share that block, their K/V rows in the entries unread (so sequences
+  /// that shared a prefix when saved share it again, in a pool of the same size). Only blocks
+  /// every restored layer fills are shared, and at most one more after them (as admit() of a
+  /// wholly cached prompt leaves it); blocks further on are filled fresh, so that no later write
+  /// copies a shared block whose child the sequence keeps. Fresh blocks are taken from the pool
+  /// for the rest of the positions of its longest restored layer and the K/V rows copied in; its
+  /// ids are registered (those `tokens` gives it; none if it gives none), and a layer without an
+  /// entry is left empty. Ids may run ahead of the K/V (as after admit()), never behind: a
+  /// sequence given ids holds at most that many positions in every layer (see "Token ids and
+  /// commitment"). Then the normal commit path runs, as after
   /// append() and add_tokens(): the fresh blocks that are full in every layer and have their ids
   /// are indexed. So after a restore and release(seq), the restored prefix stays cached and a later
   /// admit() of a prompt starting with those ids shares it: a prompt prefilled by one process
@@ -497,7 +502,8 @@ class PagedCache {
   ///       tokens(t.seq) equals t.ids for each t in `tokens`.
   /// @throws layer_error, batch_error (a layer or sequence out of range), shape_error (a (layer,
   ///         sequence) or the ids of a sequence named twice, K/V of the wrong size),
-  ///         position_error (sink_end or recent_begin not 0: a PagedCache holds every position),
+  ///         position_error (sink_end or recent_begin not 0: a PagedCache holds every position;
+  ///         a layer longer than the non-empty ids given for its sequence),
   ///         capacity_error (a length or more ids than max_seq_len), pool_exhausted_error (fewer
   ///         blocks available than needed; names needed, free and evictable), std::bad_alloc;
   ///         all before anything changes.
@@ -540,10 +546,20 @@ class PagedCache {
       ids_of[t.seq] = &t;
       named[t.seq] = true;
     }
-    // Per named sequence: its blocks; the leading ones its ids cover (shareable with an equal
-    // indexed block, as admit() shares them, whether or not its K/V fill them); of those, the
-    // ones that commit() will index (committable: full in every layer too). And the blocks the
-    // named sequences hold now (sorted, so that each block's references can be counted).
+    for (std::size_t q = 0; q < max_batch_; ++q) {  // K/V never past the ids (a tracked sequence)
+      if (ids_of[q] == nullptr || ids_of[q]->ids.empty()) continue;
+      for (std::size_t l = 0; l < num_layers; ++l) {
+        if (length[q * num_layers + l] <= ids_of[q]->ids.size()) continue;
+        throw position_error(detail::message(
+            kName, ": restore of sequence ", q, " gives layer ", l, " the K/V of ",
+            length[q * num_layers + l], " positions but only ", ids_of[q]->ids.size(),
+            " token ids: a sequence's K/V never runs past its ids"));
+      }
+    }
+    // Per named sequence: its blocks; the leading ones its ids cover and every layer fills,
+    // plus at most one more (shareable with an equal indexed block, as admit() shares them); of
+    // those, the ones that commit() will index (committable: full in every layer). And the blocks
+    // the named sequences hold now (sorted, so that each block's references can be counted).
     std::vector<std::size_t> blocks(max_batch_, 0), shareable(max_batch_, 0),
         committable(max_batch_, 0), at(max_batch_, 0);
     std::size_t num_named = 0, most_shared = 0, most_committed = 0;
@@ -552,11 +568,13 @@ class PagedCache {
       if (!named[q]) continue;
       const auto first = length.begin() + static_cast<std::ptrdiff_t>(q * num_layers);
       const auto last = first + static_cast<std::ptrdiff_t>(num_layers);
+      const std::size_t shortest = *std::min_element(first, last);
       blocks[q] = (*std::max_element(first, last) + block_size_ - 1) / block_size_;
       if (prefix_caching_ && ids_of[q] != nullptr) {
-        shareable[q] = std::min(ids_of[q]->ids.size() / block_size_, blocks[q]);
-        committable[q] =
-            std::min(*std::min_element(first, last), ids_of[q]->ids.size()) / block_size_;
+        // As admit() leaves them: every layer fills each shared block but perhaps the last.
+        shareable[q] =
+            std::min({ids_of[q]->ids.size() / block_size_, blocks[q], shortest / block_size_ + 1});
+        committable[q] = std::min(shortest, ids_of[q]->ids.size()) / block_size_;
         at[q] = most_shared;
         most_shared += shareable[q];
         most_committed += committable[q];
@@ -738,13 +756,14 @@ class PagedCache {
                 shape_.num_layers, 0);
   }
 
-  /// Evicts up to max_blocks cached blocks, least recently released first; returns how many.
-  /// Never allocates. O(evicted).
+  /// Evicts up to max_blocks cached blocks, least recently released first (a block's cached
+  /// children before it); returns how many. Never allocates. O(evicted).
   std::size_t evict_cached(std::size_t max_blocks) {
     std::lock_guard lock(shared_->mutex);
-    std::size_t done = 0;
-    for (; done < max_blocks && shared_->pool.num_cached() != 0; ++done) evict_one_locked();
-    return done;
+    const std::size_t planned =
+        plan_evictions_locked(std::min(max_blocks, shared_->pool.num_cached()));
+    evict_planned_locked(planned);
+    return planned;
   }
 
   /// Pool occupancy and prefix-cache counters, read together under the lock. O(1).
@@ -787,10 +806,13 @@ class PagedCache {
   }
 
   /// Checks every internal invariant: each block exactly one of free, used, cached; reference
-  /// counts equal to table entries; tables as long as the longest layer; committed blocks
-  /// indexed under the sequence's own prefix and ids; index links and child counts; LRU order
-  /// children-before-parents. Returns "" or a description of the first violation. For tests;
-  /// needs no concurrent mutation. O(num_blocks + max_batch * (blocks + num_layers)).
+  /// counts equal to table entries; tables as long as the longest layer; no layer of a sequence
+  /// with ids holding more positions than its ids; committed blocks indexed under the sequence's
+  /// own prefix and ids; every indexed block a sequence holds placed as "Where indexed blocks
+  /// sit" says, its ids equal to the sequence's wherever the sequence sees its K/V; index links
+  /// and child counts; LRU order children-before-parents. Returns "" or a description of the first
+  /// violation. For tests; needs no concurrent mutation. O(num_blocks + max_batch * (blocks +
+  /// num_layers)).
   [[nodiscard]] std::string check_consistency() const {
     std::lock_guard lock(shared_->mutex);
     const BlockPool& pool = shared_->pool;
@@ -820,6 +842,10 @@ class PagedCache {
         return message("sequence ", q, " has ", s.committed, " committed blocks but ", shortest,
                        " tokens in its shortest layer and ", s.num_tokens, " ids");
       }
+      if (s.num_tokens != 0 && longest > s.num_tokens) {
+        return message("sequence ", q, " holds the K/V of ", longest, " positions but only ",
+                       s.num_tokens, " token ids");
+      }
       for (std::size_t i = 0; i < s.num_blocks; ++i) {
         const block_id b = table_of(q)[i];
         if (b >= num_blocks_ || on_free[b] || lru_rank[b] != 0) {
@@ -827,6 +853,23 @@ class PagedCache {
                          ", which is free, cached or out of range");
         }
         ++refs[b];
+        if (index.contains(b)) {
+          if (index.parent(b) != (i == 0 ? kNoBlock : table_of(q)[i - 1])) {
+            return message("sequence ", q, " holds indexed block ", std::size_t{b}, " at ", i,
+                           " after another block than its parent");
+          }
+          if (shortest < i * block_size_) {
+            return message("sequence ", q, " holds indexed block ", std::size_t{b}, " at ", i,
+                           " but its shortest layer holds only ", shortest, " positions");
+          }
+          const std::size_t end = std::min((i + 1) * block_size_, longest);
+          for (std::size_t p = i * block_size_; p < end; ++p) {
+            if (p >= s.num_tokens || table_tokens(q)[p] != index.tokens(b)[p - i * block_size_]) {
+              return message("sequence ", q, " sees K/V of indexed block ", std::size_t{b},
+                             " at position ", p, ", which its ids do not match");
+            }
+          }
+        }
         if (i < s.committed) {
           const block_id parent = i == 0 ? kNoBlock : table_of(q)[i - 1];
           const auto ids = tokens(q).subspan(i * block_size_, block_size_);
@@ -894,10 +937,15 @@ class PagedCache {
   // Everything threads share, behind one mutex (and one pointer, so the cache stays movable).
   struct Shared {
     Shared(std::size_t num_blocks, std::size_t block_size, Hasher hasher)
-        : pool(num_blocks), index(num_blocks, block_size, std::move(hasher)) {}
+        : pool(num_blocks),
+          index(num_blocks, block_size, std::move(hasher)),
+          victims(num_blocks, kNoBlock),
+          planned_children(num_blocks, 0) {}
     std::mutex mutex;
     BlockPool pool;
     PrefixIndex<Hasher> index;
+    std::vector<block_id> victims;              // plan_evictions_locked() scratch: its plan
+    std::vector<std::size_t> planned_children;  // ... and per block, children planned (0 after)
     std::size_t prompts = 0;
     std::size_t prompt_tokens = 0;
     std::size_t reused_tokens = 0;
@@ -916,6 +964,117 @@ class PagedCache {
   }
   [[nodiscard]] const token_id* table_tokens(std::size_t seq) const noexcept {
     return tokens_.data() + seq * max_seq_len_;
+  }
+
+  // The lengths of seq's shortest and longest layer.
+  struct Extent {
+    std::size_t shortest = 0, longest = 0;
+  };
+  [[nodiscard]] Extent extent(std::size_t seq) const noexcept {
+    const auto first = lengths_.begin() + static_cast<std::ptrdiff_t>(seq * shape_.num_layers);
+    const auto [lo, hi] =
+        std::minmax_element(first, first + static_cast<std::ptrdiff_t>(shape_.num_layers));
+    return {*lo, *hi};
+  }
+
+  // Throws when `op` would register ids in a sequence that has none but holds K/V: nothing ties
+  // that K/V to ids any more. (A tracked sequence's K/V never runs past its ids.)
+  void require_trackable(const char* op, std::size_t seq) const {
+    if (seqs_[seq].num_tokens != 0) return;
+    const std::size_t held = extent(seq).longest;
+    if (held == 0) return;
+    throw position_error(detail::message(
+        kName, ": ", op, " sequence ", seq, ", which holds the K/V of ", held,
+        " positions appended without token ids: a token's id must be registered before or with "
+        "its K/V (crop the sequence to 0 or release it first)"));
+  }
+
+  // The checks of append() and append() with ids; nothing changes before they pass.
+  template <class U>
+  void check_append(std::size_t layer, std::size_t seq, const token_id* ids,
+                    const TokenBlock<const U>& k, const TokenBlock<const U>& v) const {
+    detail::check_layer(kName, layer, shape_.num_layers);
+    detail::check_seq(kName, seq, max_batch_);
+    const std::size_t n = detail::check_kv_input(kName, shape_, k, v);
+    const std::size_t len = lengths_[seq * shape_.num_layers + layer];
+    if (n > max_seq_len_ - len) {
+      throw capacity_error(detail::message(kName, ": append of ", n, " tokens to sequence ", seq,
+                                           " layer ", layer, " exceeds max_seq_len ", max_seq_len_,
+                                           " (holds ", len, ")"));
+    }
+    const Sequence& s = seqs_[seq];
+    if (ids == nullptr) {
+      if (s.num_tokens != 0 && len + n > s.num_tokens) {
+        throw position_error(detail::message(
+            kName, ": append of ", n, " tokens to sequence ", seq, " layer ", layer,
+            " at positions ", len, "..", len + n - 1, " runs past its ", s.num_tokens,
+            " registered token ids: register each token's id before its K/V (add_tokens(), or "
+            "append() with the ids)"));
+      }
+      return;
+    }
+    require_trackable("append with ids to", seq);
+    const token_id* held = table_tokens(seq);
+    for (std::size_t i = 0; len + i < s.num_tokens && i < n; ++i) {
+      if (ids[i] != held[len + i]) {
+        throw position_error(detail::message(kName, ": append to sequence ", seq, " layer ", layer,
+                                             " gives token id ", ids[i], " for position ", len + i,
+                                             ", where id ", held[len + i], " is registered"));
+      }
+    }
+  }
+
+  // append() and append() with ids (ids == nullptr: none): checks, takes and copies blocks,
+  // writes the rows, registers the new ids, then indexes what this completes.
+  template <class U>
+  void append_rows(std::size_t layer, std::size_t seq, const token_id* ids,
+                   const TokenBlock<const U>& kin, const TokenBlock<const U>& vin) {
+    check_append(layer, seq, ids, kin, vin);
+    const std::size_t n = kin.num_tokens;
+    std::size_t& len = lengths_[seq * shape_.num_layers + layer];
+    Sequence& s = seqs_[seq];
+    block_id* table = table_of(seq);
+    CowEntry* cow = cow_.data() + seq * max_blocks_per_seq_;
+    const std::size_t first = len / block_size_;
+    const std::size_t end = (len + n + block_size_ - 1) / block_size_;
+    std::size_t num_cow = 0;
+    {
+      std::lock_guard lock(shared_->mutex);
+      BlockPool& pool = shared_->pool;
+      for (std::size_t i = first; i < std::min(end, s.num_blocks); ++i) {
+        if (!writable(pool, table[i])) ++num_cow;
+      }
+      const std::size_t fresh = end > s.num_blocks ? end - s.num_blocks : 0;
+      reserve_locked(fresh + num_cow, [&] {
+        return detail::message(kName, ": append of ", n, " tokens to sequence ", seq, " layer ",
+                               layer, " (holds ", len, ")");
+      });
+      for (std::size_t i = first, c = 0; c < num_cow; ++i) {
+        if (writable(pool, table[i])) continue;
+        cow[c++] = {i, table[i]};
+        table[i] = pool.allocate();
+      }
+      for (std::size_t i = s.num_blocks; i < end; ++i) table[i] = pool.allocate();
+      s.num_blocks = std::max(s.num_blocks, end);
+      shared_->cow_copies += num_cow;
+    }
+    if (num_cow != 0) {
+      // The old blocks are still held (their counts were not dropped), so nobody can evict or
+      // reuse them while they are copied; the new ones are this sequence's alone.
+      for (std::size_t c = 0; c < num_cow; ++c) {
+        copy_block(seq, cow[c].index, cow[c].from, table[cow[c].index]);
+      }
+      std::lock_guard lock(shared_->mutex);
+      for (std::size_t c = num_cow; c-- > 0;) shared_->pool.release(cow[c].from);
+    }
+    write_rows(layer, table, len, kin, vin);
+    if (ids != nullptr && len + n > s.num_tokens) {
+      const std::size_t known = s.num_tokens - len;  // len <= num_tokens: the ids come first
+      std::copy(ids + known, ids + n, table_tokens(seq) + s.num_tokens);
+      s.num_tokens = len + n;
+    }
+    len += n;
+    commit(seq);
   }
 
   // A sequence may write into a block only when it alone holds it and no index refers to it.
@@ -940,8 +1099,12 @@ class PagedCache {
     const std::size_t free = pool.num_free(), cached = pool.num_cached();
     if (needed <= free) return;
     if (evict_when_full_ && needed <= free + cached) {
-      for (std::size_t i = free; i < needed; ++i) evict_one_locked();
-      return;
+      const std::size_t planned = plan_evictions_locked(needed - free);
+      if (planned == needed - free) {
+        evict_planned_locked(planned);
+        return;
+      }
+      throw_exhausted(describe(), needed, free, plan_evictions_locked(cached));
     }
     throw_exhausted(describe(), needed, free, cached);
   }
@@ -958,15 +1121,38 @@ class PagedCache {
         needed, free, cached);
   }
 
-  // Evicts the least recently released cached block that is a leaf of the index (the LRU front,
-  // by the ordering argument in the class comment). @pre num_cached() > 0.
-  void evict_one_locked() noexcept {
-    BlockPool& pool = shared_->pool;
-    block_id b = pool.lru().front();
-    while (shared_->index.num_children(b) != 0) b = pool.lru().next(b);
-    shared_->index.erase(b);
-    pool.evict(b);
-    ++shared_->evictions;
+  // Plans the eviction of up to `count` cached blocks into shared_->victims, in an order they
+  // can go in: walking the LRU list from its front (and never past its end), each block whose
+  // indexed children are all planned before it. By the ordering argument in the class comment
+  // that is the first `count` blocks of the list. Changes nothing the cache reports; returns how
+  // many it planned. O(blocks walked).
+  [[nodiscard]] std::size_t plan_evictions_locked(std::size_t count) noexcept {
+    Shared& sh = *shared_;
+    const LruList& lru = sh.pool.lru();
+    std::size_t planned = 0;
+    for (block_id b = lru.front(); b != kNoBlock && planned < count; b = lru.next(b)) {
+      if (sh.planned_children[b] != sh.index.num_children(b)) continue;
+      sh.victims[planned++] = b;
+      if (const block_id parent = sh.index.parent(b); parent != kNoBlock) {
+        ++sh.planned_children[parent];
+      }
+    }
+    for (std::size_t i = 0; i < planned; ++i) {
+      if (const block_id parent = sh.index.parent(sh.victims[i]); parent != kNoBlock) {
+        sh.planned_children[parent] = 0;
+      }
+    }
+    return planned;
+  }
+
+  // Evicts the first `planned` blocks plan_evictions_locked() chose (children before parents).
+  void evict_planned_locked(std::size_t planned) noexcept {
+    Shared& sh = *shared_;
+    for (std::size_t i = 0; i < planned; ++i) {
+      sh.index.erase(sh.victims[i]);
+      sh.pool.evict(sh.victims[i]);
+    }
+    sh.evictions += planned;
   }
 
   // Drops seq's hold on table entries [keep, num_blocks), last first (children before parents).
