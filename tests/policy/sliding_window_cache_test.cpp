@@ -160,3 +160,91 @@ TEST_CASE(
   REQUIRE(cache.view(0, 0).recent_begin() == 1);
   REQUIRE_FALSE(cache.can_crop(0, 2));  // beyond the length
 }
+
+TEST_CASE(
+    "sliding window crop guarantee: back to peak - max_append_len always, one further never; "
+    "re-attending the last kept token needs one rollback less") {
+  auto rng = kvcache::test::make_rng("sliding-crop-boundary");
+  const std::size_t window = 8, sinks = 2, max_append = 4, dim = 4, total = 300;
+  SlidingWindowCache<float> cache({.num_layers = 2,
+                                   .num_kv_heads = 1,
+                                   .head_dim = dim,
+                                   .window = window,
+                                   .num_sink_tokens = sinks,
+                                   .max_append_len = max_append});
+  const auto kv = kvcache::test::random_kv(rng, total, 1, dim);
+  const AttentionOptions opts{.window = window, .num_sink_tokens = sinks};
+  const auto append = [&](std::size_t from, std::size_t n) {
+    for (std::size_t l = 0; l < 2; ++l)
+      cache.append(l, 0, kv.k_block(from, n), kv.v_block(from, n));
+  };
+  const auto attend_last = [&](std::size_t len) {  // a query at position len - 1
+    const auto q = kvcache::test::normal_floats(rng, dim);
+    std::vector<float> got(dim);
+    attend({q, 1, 1, dim}, cache.view(1, 0), {got, 1, 1, dim}, opts);
+    const auto expect = kvcache::test::scratch_attention(q, 1, 1, kv.k, kv.v, len, 1, dim,
+                                                         static_cast<position_t>(len - 1), opts);
+    kvcache::test::require_close(got, expect, Tolerance{2e-5, 2e-5});
+  };
+
+  // Speculative decoding: draft up to max_append tokens, keep some, never roll back below the
+  // length before the draft. Round after round every rollback is allowed.
+  std::size_t len = 0, peak = 0;
+  for (int round = 0; round < 60; ++round) {
+    const std::size_t draft = kvcache::test::uniform(rng, 1, max_append);
+    append(len, draft);
+    peak = std::max(peak, len + draft);
+    const std::size_t keep = kvcache::test::uniform(rng, 0, draft);
+    REQUIRE(cache.can_crop(0, len + keep));
+    cache.crop(0, len + keep);
+    len += keep;
+    if (keep < draft) {  // the corrected token: appended at len, attends its whole window
+      append(len, 1);
+      ++len;
+    }
+    attend_last(len);
+  }
+  REQUIRE(len > 4 * window);
+
+  // The boundary, both sides: peak - max_append_len is the deepest guaranteed target.
+  append(len, max_append);
+  len += max_append;
+  peak = len;
+  for (std::size_t n = peak - max_append; n <= peak; ++n) REQUIRE(cache.can_crop(0, n));
+  REQUIRE_FALSE(cache.can_crop(0, peak - max_append - 1));
+  REQUIRE(cache.can_crop(0, sinks));
+
+  // Rolled back exactly max_append_len: the next token attends fine, re-attending the last
+  // kept one (position n - 1) needs position n - window, which the ring overwrote.
+  cache.crop(0, peak - max_append);
+  len = peak - max_append;
+  {
+    const auto q = kvcache::test::normal_floats(rng, dim);
+    std::vector<float> out(dim);
+    kvcache::test::require_throws<position_error>(
+        [&] {
+          attend({q, 1, 1, dim}, cache.view(1, 0), {out, 1, 1, dim}, opts);
+        },
+        "query at position " + std::to_string(len - 1),
+        "needs keys [" + std::to_string(len - window) + ", ");
+  }
+  append(len, 1);
+  ++len;
+  attend_last(len);
+
+  // Crop back max_append_len, append 1, crop back max_append_len again: past the guarantee
+  // (peak - 2 * max_append_len + 1), refused by name, nothing changed.
+  REQUIRE(len == peak - max_append + 1);
+  REQUIRE_FALSE(cache.can_crop(0, len - max_append));
+  const auto before = kvcache::test::cache_contents(cache);
+  kvcache::test::require_throws<position_error>([&] { cache.crop(0, len - max_append); },
+                                                "crop of sequence 0", "evicted everything before");
+  REQUIRE(kvcache::test::cache_contents(cache) == before);
+
+  // Rolled back max_append_len - 1 from a new peak: re-attending the last kept token works.
+  append(len, max_append);
+  len += max_append;
+  cache.crop(0, len - (max_append - 1));
+  len -= max_append - 1;
+  attend_last(len);
+}

@@ -31,7 +31,8 @@ struct SlidingWindowCacheConfig {
   /// Tokens at positions [0, num_sink_tokens) kept forever (AttentionOptions::num_sink_tokens).
   std::size_t num_sink_tokens = 0;
   /// Largest n of one append (>= 1): a prefill longer than this is appended in chunks. Also
-  /// the most tokens crop() can always roll back.
+  /// how far crop() can always roll back: max_append_len tokens below the longest length the
+  /// sequence has reached (see can_crop()).
   std::size_t max_append_len = 1;
 };
 
@@ -39,7 +40,8 @@ struct SlidingWindowCacheConfig {
 /// ring_len() = window + max_append_len - 1 ring slots, all allocated at construction; nothing
 /// allocates afterwards. Position p >= num_sink_tokens lives in ring slot
 /// (p - num_sink_tokens) % ring_len(). After appending n <= max_append_len tokens every query
-/// among them still finds its whole window in the cache.
+/// among them still finds its whole window in the cache, and crop() can roll back up to
+/// max_append_len tokens below the longest length reached (can_crop() states it exactly).
 template <Element T>
 class SlidingWindowCache {
  public:
@@ -156,9 +158,25 @@ class SlidingWindowCache {
   /// Constant: kv_cache_bytes(shape, num_sink_tokens + ring_len, max_batch).
   [[nodiscard]] std::size_t memory_bytes() const noexcept { return storage_.bytes(); }
 
-  /// True when crop(seq, n) keeps everything a query at position n needs: n <= seq_length and,
-  /// in each layer, either n <= num_sink_tokens or the ring still holds positions
-  /// [n - window + 1, n). Always true for rollbacks of at most max_append_len tokens.
+  /// True when crop(seq, n) keeps everything the token appended next, at position n, attends
+  /// to: n <= seq_length and, in each layer, either n <= num_sink_tokens or the ring still holds
+  /// positions [n - window + 1, n) (view().recent_begin() <= max(num_sink_tokens,
+  /// n - window + 1)).
+  ///
+  /// The exact guarantee. The ring holds the last ring_len() = window + max_append_len - 1
+  /// positions below the *peak*: the longest length the layer has had since the sequence was
+  /// last reset, cropped to at most num_sink_tokens, or restored (after a restore, count the
+  /// peak as recent_begin + ring_len()). So can_crop(seq, n) is true for every
+  /// n >= peak - max_append_len (and every n <= num_sink_tokens), however often the sequence
+  /// was cropped and appended to since: speculative decoding, which appends at most
+  /// max_append_len draft tokens and rolls back to no earlier than the length before them,
+  /// never fails, round after round. Rollbacks measured from the current length are not
+  /// guaranteed: crop back max_append_len, append 1, crop back max_append_len again reaches
+  /// peak - 2 * max_append_len + 1, whose window the ring overwrote at the peak.
+  /// Re-attending the last held token after the crop (a query at n - 1) needs one position
+  /// more, n - window: that holds for n >= peak - max_append_len + 1 (a rollback of at most
+  /// max_append_len - 1 from the peak); after a rollback of exactly max_append_len, attend()
+  /// with a query at n - 1 throws position_error.
   /// @throws batch_error.
   [[nodiscard]] bool can_crop(std::size_t seq, std::size_t n) const {
     if (n > seq_length(seq)) return false;
