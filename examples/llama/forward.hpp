@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvcache/attention/attend.hpp"
+#include "kvcache/attention/rope.hpp"
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/core/error.hpp"
 #include "kvcache/core/thread_pool.hpp"
@@ -21,9 +22,9 @@
 
 namespace llama {
 
-/// RMSNorm epsilon and RoPE base of llama2.c's run.c.
+/// RMSNorm epsilon and RoPE of llama2.c's run.c (base 10000, adjacent pairs, every dimension).
 inline constexpr float kNormEps = 1e-5f;
-inline constexpr float kRopeBase = 10000.0f;
+inline constexpr kvcache::RopeConfig kRope{.base = 10000.0f};
 
 /// Runs a Model: owns the scratch buffers of one forward pass (sized for `max_chunk` tokens) and
 /// an internal scratch cache for cache-less passes. One Engine serves one caller at a time; the
@@ -38,6 +39,7 @@ class Engine {
       : model_(&model),
         pool_(pool),
         max_chunk_(max_chunk),
+        rope_(kRope, model.config().head_dim()),
         scratch_({.num_layers = model.config().num_layers,
                   .num_kv_heads = model.config().num_kv_heads,
                   .head_dim = model.config().head_dim()}) {
@@ -57,12 +59,6 @@ class Engine {
     sin_.resize(n * c.head_dim() / 2);
     last_.resize(c.dim);
     logits_.resize(c.vocab_size);
-    inv_freq_.resize(c.head_dim() / 2);
-    for (std::size_t i = 0; i < inv_freq_.size(); ++i) {
-      // run.c: 1 / 10000^(head_pos / head_size) for the even head_pos = 2i, computed in float
-      inv_freq_[i] =
-          1.0f / std::pow(kRopeBase, static_cast<float>(2 * i) / static_cast<float>(c.head_dim()));
-    }
   }
 
   [[nodiscard]] const Model& model() const noexcept { return *model_; }
@@ -162,19 +158,6 @@ class Engine {
     for (std::size_t i = 0; i < d; ++i) out[i] = w[i] * (inv * x[i]);
   }
 
-  // Rotates adjacent (even, odd) pairs of every head of `heads` heads in place.
-  static void rope(float* x, std::size_t heads, std::size_t hd, const float* cs,
-                   const float* sn) noexcept {
-    for (std::size_t h = 0; h < heads; ++h) {
-      float* v = x + h * hd;
-      for (std::size_t i = 0; i < hd / 2; ++i) {
-        const float a = v[2 * i], b = v[2 * i + 1];
-        v[2 * i] = a * cs[i] - b * sn[i];
-        v[2 * i + 1] = a * sn[i] + b * cs[i];
-      }
-    }
-  }
-
   template <class C>
   void run_chunk(C& cache, std::size_t seq, std::span<const token_id> tokens,
                  const AttentionWindow& window, bool want_logits) {
@@ -184,13 +167,7 @@ class Engine {
     const std::size_t p0 = cache.seq_length(seq);
     for (std::size_t t = 0; t < n; ++t) model_->embed(tokens[t], x_.data() + t * d);
     for (std::size_t t = 0; t < n; ++t) {
-      // Angles in double from the float frequencies: exact for positions far past seq_len.
-      const double pos = static_cast<double>(p0 + t);
-      for (std::size_t i = 0; i < half; ++i) {
-        const double angle = pos * static_cast<double>(inv_freq_[i]);
-        cos_[t * half + i] = static_cast<float>(std::cos(angle));
-        sin_[t * half + i] = static_cast<float>(std::sin(angle));
-      }
+      rope_.angles(static_cast<double>(p0 + t), cos_.data() + t * half, sin_.data() + t * half);
     }
     const kvcache::AttentionOptions attn{
         .window = window.window, .num_sink_tokens = window.num_sink_tokens, .pool = pool_};
@@ -205,9 +182,10 @@ class Engine {
         std::copy(row, row + d, q_.data() + t * d);
         std::copy(row + d, row + d + kv, k_.data() + t * kv);
         std::copy(row + d + kv, row + wide, v_.data() + t * kv);
-        rope(q_.data() + t * d, c.num_heads, hd, cos_.data() + t * half, sin_.data() + t * half);
-        rope(k_.data() + t * kv, c.num_kv_heads, hd, cos_.data() + t * half,
-             sin_.data() + t * half);
+        rope_.rotate(q_.data() + t * d, c.num_heads, cos_.data() + t * half,
+                     sin_.data() + t * half);
+        rope_.rotate(k_.data() + t * kv, c.num_kv_heads, cos_.data() + t * half,
+                     sin_.data() + t * half);
       }
       const std::span<const float> k(k_.data(), n * kv), v(v_.data(), n * kv);
       cache.append(l, seq, kvcache::TokenBlock<const float>{k, n, c.num_kv_heads, hd},
@@ -242,9 +220,9 @@ class Engine {
   const Model* model_;
   kvcache::ThreadPool* pool_;
   std::size_t max_chunk_;
+  kvcache::Rope rope_;
   kvcache::DynamicCache<float> scratch_;
   std::vector<float> x_, xb_, qkv_, q_, k_, v_, att_, ffn_, hb_, cos_, sin_, last_, logits_;
-  std::vector<float> inv_freq_;
 };
 
 }  // namespace llama

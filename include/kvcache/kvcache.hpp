@@ -8,6 +8,7 @@
 #include "kvcache/attention/cpu.hpp"
 #include "kvcache/attention/options.hpp"
 #include "kvcache/attention/reference.hpp"
+#include "kvcache/attention/rope.hpp"
 #include "kvcache/core/buffer.hpp"
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/core/config.hpp"

@@ -1,0 +1,254 @@
+// SPDX-License-Identifier: Apache-2.0
+// Rotary position embedding (RoPE) as the library knows it: a small description of how a model
+// rotates q and k (base, rotary dims, pairing, frequency scaling) and the functions that apply it.
+// Engines rotate q and k with it before attention; the library needs it to move keys between
+// positions (context shift, cache-relative positions).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <numbers>
+#include <span>
+#include <vector>
+
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/error.hpp"
+#include "kvcache/core/tensor.hpp"
+
+namespace kvcache {
+
+/// Which dimensions of a head form the pairs that RoPE rotates together.
+enum class RopePairing {
+  /// Adjacent pairs (x[2i], x[2i + 1]): Meta's Llama, llama2.c, GPT-J, GGUF "norm" models.
+  interleaved,
+  /// Halves (x[i], x[i + rotary_dims / 2]): Hugging Face Llama/Mistral/Qwen, GPT-NeoX.
+  neox,
+};
+
+/// How the frequencies are stretched for contexts beyond the pre-training length.
+enum class RopeScaling {
+  none,    ///< theta_i = base^(-2i / rotary_dims)
+  linear,  ///< position interpolation: theta_i / factor
+  llama3,  ///< Llama 3.1: low frequencies / factor, high ones kept, a smooth ramp between
+  yarn,    ///< YaRN: per-frequency ramp between interpolation and extrapolation, plus an
+           ///< attention factor on cos and sin
+};
+
+/// A model's RoPE, as its config states it. Designated initializers read like the config:
+///   RopeConfig{.base = 500000, .scaling = RopeScaling::llama3, .factor = 8,
+///              .original_max_position = 8192}
+struct RopeConfig {
+  /// theta: pair i turns by base^(-2i / rotary_dims) radians per position (> 0).
+  float base = 10000.0f;
+  /// Leading dimensions of each head that rotate (even, <= head_dim); 0 means all of head_dim.
+  /// The others pass unchanged (partial rotary: Phi, GPT-NeoX, StableLM).
+  std::size_t rotary_dims = 0;
+  RopePairing pairing = RopePairing::interleaved;
+  RopeScaling scaling = RopeScaling::none;
+  /// linear, llama3, yarn: how much longer the target context is (> 0).
+  float factor = 1.0f;
+  /// llama3, yarn: the pre-training context length (> 0).
+  std::size_t original_max_position = 0;
+  /// llama3: wavelengths above original_max_position / low_freq_factor are divided by factor,
+  /// those below original_max_position / high_freq_factor kept (0 < low < high).
+  float low_freq_factor = 1.0f;
+  float high_freq_factor = 4.0f;
+  /// yarn: the ramp runs between the dims that turn beta_fast and beta_slow times over
+  /// original_max_position (beta_fast > beta_slow > 0).
+  float beta_fast = 32.0f;
+  float beta_slow = 1.0f;
+  /// yarn: cos and sin are scaled by it (it sharpens attention); 0 means 0.1 ln(factor) + 1
+  /// (1 for a factor <= 1), as Hugging Face computes it without mscale settings.
+  float attention_factor = 0.0f;
+};
+
+/// RoPE for one head size: the frequencies of a RopeConfig, computed once, and the rotation.
+///
+/// Position p rotates pair i by the angle p * inv_freq()[i], computed in double from the float
+/// frequency (exact enough for positions in the millions), then cos and sin rounded to float and
+/// multiplied by magnitude(). Rotating q by p and k by p' makes their dot product depend on
+/// p - p' only: that is what lets the library move keys between positions.
+/// Unscaled frequencies are 1 / base^(2i / rotary_dims) computed in float, as llama2.c does (so
+/// an engine ported from it keeps its bits); scaled ones are computed in double.
+class Rope {
+ public:
+  /// @throws shape_error naming the numbers: head_dim 0, rotary_dims odd or above head_dim, a
+  ///         base or factor not finite and > 0, llama3/yarn without original_max_position,
+  ///         llama3 without 0 < low_freq_factor < high_freq_factor, yarn without
+  ///         beta_fast > beta_slow > 0, a negative attention_factor. std::bad_alloc.
+  Rope(const RopeConfig& config, std::size_t head_dim)
+      : config_(config),
+        head_dim_(head_dim),
+        rotary_dims_(config.rotary_dims == 0 ? head_dim : config.rotary_dims) {
+    validate();
+    inv_freq_.resize(rotary_dims_ / 2);
+    const double dims = static_cast<double>(rotary_dims_);
+    for (std::size_t i = 0; i < inv_freq_.size(); ++i) {
+      if (config.scaling == RopeScaling::none) {
+        inv_freq_[i] = 1.0f / std::pow(config.base, static_cast<float>(2 * i) /
+                                                        static_cast<float>(rotary_dims_));
+        continue;
+      }
+      const double theta =
+          std::pow(static_cast<double>(config.base), -static_cast<double>(2 * i) / dims);
+      inv_freq_[i] = static_cast<float>(scaled(theta, i));
+    }
+    if (config.scaling == RopeScaling::yarn) {
+      const double factor = static_cast<double>(config.factor);
+      magnitude_ = config.attention_factor > 0.0f ? config.attention_factor
+                   : factor <= 1.0                ? 1.0f
+                                   : static_cast<float>(0.1 * std::log(factor) + 1.0);
+    }
+  }
+
+  [[nodiscard]] const RopeConfig& config() const noexcept { return config_; }
+  [[nodiscard]] std::size_t head_dim() const noexcept { return head_dim_; }
+  [[nodiscard]] std::size_t rotary_dims() const noexcept { return rotary_dims_; }
+  /// Radians per position of each of the rotary_dims / 2 pairs, scaling applied.
+  [[nodiscard]] std::span<const float> inv_freq() const noexcept { return inv_freq_; }
+  /// What cos and sin are multiplied by: yarn's attention factor, else 1.
+  [[nodiscard]] float magnitude() const noexcept { return magnitude_; }
+
+  /// cos and sin of position `pos` for every pair, magnitude() applied: rotary_dims / 2 floats
+  /// each into cs and sn. O(rotary_dims).
+  void angles(double pos, float* cs, float* sn) const noexcept {
+    fill_angles(pos, 0, inv_freq_.size(), cs, sn);
+  }
+
+  /// Rotates `num_heads` heads of head_dim floats each, back to back at x, by the angles of one
+  /// position (from angles()): every pair (a, b) becomes (a c - b s, a s + b c). O(num_heads *
+  /// rotary_dims); the heads of q and of k at one position share one angles() call.
+  void rotate(float* x, std::size_t num_heads, const float* cs, const float* sn) const noexcept {
+    rotate_pairs(x, num_heads, 0, inv_freq_.size(), cs, sn);
+  }
+
+  /// Rotates every token t of x ([n][num_heads][head_dim]) to position first_pos + t, in place.
+  /// Allocates nothing. O(n * (num_heads + 1) * rotary_dims).
+  /// @throws shape_error when x.head_dim != head_dim().
+  void apply(TokenBlock<float> x, position_t first_pos) const {
+    if (x.head_dim != head_dim_) {
+      throw shape_error(
+          detail::message("Rope: head_dim ", x.head_dim, " but the RoPE is for ", head_dim_));
+    }
+    constexpr std::size_t kChunk = 64;  // pairs whose cos and sin sit on the stack at a time
+    float cs[kChunk], sn[kChunk];
+    const std::size_t pairs = inv_freq_.size();
+    for (std::size_t t = 0; t < x.num_tokens; ++t) {
+      const double pos = static_cast<double>(first_pos + static_cast<position_t>(t));
+      float* row = x.data.data() + t * x.num_heads * head_dim_;
+      for (std::size_t i0 = 0; i0 < pairs; i0 += kChunk) {
+        const std::size_t m = std::min(kChunk, pairs - i0);
+        fill_angles(pos, i0, m, cs, sn);
+        rotate_pairs(row, x.num_heads, i0, m, cs, sn);
+      }
+    }
+  }
+
+ private:
+  void validate() const {
+    const auto fail = [](const auto&... parts) {
+      throw shape_error(detail::message("Rope: ", parts...));
+    };
+    const auto positive = [](float x) { return std::isfinite(x) && x > 0.0f; };
+    if (head_dim_ == 0) fail("head_dim must be at least 1");
+    if (rotary_dims_ % 2 != 0 || rotary_dims_ > head_dim_) {
+      fail("rotary_dims ", rotary_dims_, " must be even and at most head_dim ", head_dim_);
+    }
+    if (!positive(config_.base)) fail("base ", config_.base, " must be finite and > 0");
+    if (config_.scaling == RopeScaling::none) return;
+    if (!positive(config_.factor)) fail("factor ", config_.factor, " must be finite and > 0");
+    if (config_.scaling == RopeScaling::linear) return;
+    if (config_.original_max_position == 0) {
+      fail("llama3 and yarn scaling need original_max_position (the pre-training length)");
+    }
+    if (config_.scaling == RopeScaling::llama3 &&
+        !(positive(config_.low_freq_factor) && positive(config_.high_freq_factor) &&
+          config_.low_freq_factor < config_.high_freq_factor)) {
+      fail("llama3 scaling needs 0 < low_freq_factor < high_freq_factor, got ",
+           config_.low_freq_factor, " and ", config_.high_freq_factor);
+    }
+    if (config_.scaling == RopeScaling::yarn &&
+        !(positive(config_.beta_slow) && positive(config_.beta_fast) &&
+          config_.beta_slow < config_.beta_fast)) {
+      fail("yarn scaling needs beta_fast > beta_slow > 0, got ", config_.beta_fast, " and ",
+           config_.beta_slow);
+    }
+    if (!(std::isfinite(config_.attention_factor) && config_.attention_factor >= 0.0f)) {
+      fail("attention_factor ", config_.attention_factor, " must be finite and >= 0");
+    }
+  }
+
+  // The scaled frequency of pair i whose unscaled one is theta.
+  [[nodiscard]] double scaled(double theta, std::size_t i) const noexcept {
+    const double factor = static_cast<double>(config_.factor);
+    const double original = static_cast<double>(config_.original_max_position);
+    const double two_pi = 2.0 * std::numbers::pi;
+    switch (config_.scaling) {
+      case RopeScaling::linear:
+        return theta / factor;
+      case RopeScaling::llama3: {
+        const double low = static_cast<double>(config_.low_freq_factor);
+        const double high = static_cast<double>(config_.high_freq_factor);
+        const double wavelength = two_pi / theta;
+        if (wavelength < original / high) return theta;          // high frequency: kept
+        if (wavelength > original / low) return theta / factor;  // low frequency: interpolated
+        const double smooth = (original / wavelength - low) / (high - low);
+        return (1.0 - smooth) * theta / factor + smooth * theta;
+      }
+      case RopeScaling::yarn: {
+        // The pair index at which a frequency turns `rotations` times over the original length.
+        const double dims = static_cast<double>(rotary_dims_);
+        const double base = static_cast<double>(config_.base);
+        const auto dim_of = [&](float rotations) {
+          return dims * std::log(original / (static_cast<double>(rotations) * two_pi)) /
+                 (2.0 * std::log(base));
+        };
+        const double lo = std::max(std::floor(dim_of(config_.beta_fast)), 0.0);
+        double hi = std::min(std::ceil(dim_of(config_.beta_slow)), dims - 1.0);
+        if (hi == lo) hi += 0.001;
+        const double ramp = std::clamp((static_cast<double>(i) - lo) / (hi - lo), 0.0, 1.0);
+        const double extrapolate = 1.0 - ramp;  // 1 for the fast (high-frequency) pairs
+        return theta / factor * (1.0 - extrapolate) + theta * extrapolate;
+      }
+      case RopeScaling::none:
+        break;
+    }
+    return theta;
+  }
+
+  // angles() of pairs [first, first + m) only, into cs[0..m) and sn[0..m).
+  void fill_angles(double pos, std::size_t first, std::size_t m, float* cs,
+                   float* sn) const noexcept {
+    for (std::size_t j = 0; j < m; ++j) {
+      const double angle = pos * static_cast<double>(inv_freq_[first + j]);
+      cs[j] = static_cast<float>(std::cos(angle)) * magnitude_;
+      sn[j] = static_cast<float>(std::sin(angle)) * magnitude_;
+    }
+  }
+
+  // rotate() of pairs [first, first + m) only, with cs[0..m) and sn[0..m).
+  void rotate_pairs(float* x, std::size_t num_heads, std::size_t first, std::size_t m,
+                    const float* cs, const float* sn) const noexcept {
+    const std::size_t pairs = inv_freq_.size();
+    const std::size_t step = config_.pairing == RopePairing::interleaved ? 2 : 1;
+    const std::size_t other = config_.pairing == RopePairing::interleaved ? 1 : pairs;
+    for (std::size_t h = 0; h < num_heads; ++h) {
+      float* v = x + h * head_dim_;
+      for (std::size_t j = 0; j < m; ++j) {
+        const std::size_t i = first + j;
+        const float a = v[i * step], b = v[i * step + other];
+        v[i * step] = a * cs[j] - b * sn[j];
+        v[i * step + other] = a * sn[j] + b * cs[j];
+      }
+    }
+  }
+
+  RopeConfig config_;
+  std::size_t head_dim_;
+  std::size_t rotary_dims_;
+  std::vector<float> inv_freq_;
+  float magnitude_ = 1.0f;
+};
+
+}  // namespace kvcache
