@@ -194,6 +194,43 @@ TEST_CASE("float -> bfloat16 rounds to nearest even; bfloat16 -> float is exact"
   }
 }
 
+TEST_CASE(
+    "a float beyond half's or bfloat16's range becomes inf in every conversion path, never the "
+    "largest finite value; NaN stays NaN") {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // half: 65520 is the tie between 65504 and 2^16 and rounds (to even) to inf; 65519 to 65504
+  const std::vector<float> in{65520.0f, -65520.0f, 65519.0f, -65519.0f, 1e30f,    -1e30f,
+                              inf,      -inf,      nan,      -nan,      65504.0f, 3.4e38f};
+  const std::vector<float> half_want{inf, -inf, 65504.0f, -65504.0f, inf,      -inf,
+                                     inf, -inf, nan,      nan,       65504.0f, inf};
+  std::vector<half> bulk(in.size());
+  convert_from_float<half>(in, bulk.data());  // F16C where the CPU has it
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    INFO("half(" << in[i] << ")");
+    for (const float got : {static_cast<float>(half(in[i])), static_cast<float>(bulk[i])}) {
+      if (std::isnan(half_want[i])) {
+        REQUIRE(std::isnan(got));
+      } else {
+        REQUIRE(got == half_want[i]);
+      }
+    }
+  }
+  // bfloat16: the largest float rounds up past the largest bfloat16 (0x7f7f) to inf
+  const float max_bf16 = bfloat16::to_float(0x7f7f);
+  for (const auto& [x, want] :
+       {std::pair{std::numeric_limits<float>::max(), inf},
+        std::pair{-std::numeric_limits<float>::max(), -inf}, std::pair{max_bf16, max_bf16},
+        std::pair{inf, inf}, std::pair{-inf, -inf}}) {
+    INFO("bfloat16(" << x << ")");
+    REQUIRE(static_cast<float>(bfloat16(x)) == want);
+  }
+  REQUIRE(std::isnan(static_cast<float>(bfloat16(nan))));
+  std::vector<bfloat16> bulk_bf16(1);
+  convert_from_float<bfloat16>(std::vector<float>{nan}, bulk_bf16.data());
+  REQUIRE(std::isnan(static_cast<float>(bulk_bf16[0])));
+}
+
 TEST_CASE("DType tags, sizes, names and dispatch") {
   STATIC_REQUIRE(dtype_of<float> == DType::f32);
   STATIC_REQUIRE(dtype_of<half> == DType::f16);

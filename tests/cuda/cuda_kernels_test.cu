@@ -3,13 +3,16 @@
 // block boundary), and decode and prefill attention must equal kvcache::reference over the same
 // cached tokens (random data, odd sizes, GQA groups, windows, sinks, soft-caps, splits). Every
 // test skips with a message when no CUDA device is present.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvcache/cuda/cuda.cuh"
@@ -738,4 +741,290 @@ TEST_CASE("CUDA launchers reject bad shapes before touching the device", "[cuda]
   require_throws<kvcache::shape_error>(
       [&] { (void)kcuda::decode_workspace_bytes<kvcache::bfloat16>(h200, 32, 32, 8, 128, 4096); },
       "DecodeSetup for f16", "used for bf16");
+}
+
+// ---- inf and NaN in q, K and V -----------------------------------------------------------------
+
+namespace {
+
+// The test's own mask: may a query at qpos see the key at kpos?
+bool sees(const AttentionOptions& o, std::int64_t qpos, std::int64_t kpos) {
+  if (!o.causal) return true;
+  if (kpos > qpos) return false;
+  return o.window == 0 || kpos > qpos - static_cast<std::int64_t>(o.window) ||
+         kpos < static_cast<std::int64_t>(o.num_sink_tokens);
+}
+
+// K/V of a batch put in device memory by hand, contiguous ([seq][head][slot][dim]) or paged
+// (16-token blocks, the pool's blocks in reverse order and block 0 unused), so that a test can
+// plant an inf or NaN in any one element. Every slot no key occupies holds NaN.
+template <Element T>
+struct HandKV {
+  kcuda::DeviceBuffer<T> k, v;
+  kcuda::DeviceBuffer<std::int32_t> table;
+  kcuda::DeviceBuffer<std::int64_t> length;
+  kcuda::DeviceKVView<T> view;
+};
+
+// keys[s] and values[s]: [lengths[s]][heads][dim] floats of sequence s.
+template <Element T>
+std::unique_ptr<HandKV<T>> hand_kv(kcuda::Layout layout,
+                                   const std::vector<std::vector<float>>& keys,
+                                   const std::vector<std::vector<float>>& values,
+                                   const std::vector<std::int64_t>& lengths, int heads, int dim) {
+  const int batch = static_cast<int>(lengths.size());
+  const std::int64_t cap = std::max<std::int64_t>(
+      16, (*std::max_element(lengths.begin(), lengths.end()) + 15) / 16 * 16);
+  auto h = std::make_unique<HandKV<T>>();
+  kcuda::DeviceKVView<T>& v = h->view;
+  v.num_seqs = batch;
+  v.num_kv_heads = heads;
+  v.head_dim = dim;
+  v.layout = layout;
+  v.max_keys = *std::max_element(lengths.begin(), lengths.end());
+  std::vector<std::int32_t> table;
+  std::size_t elements = 0;
+  if (layout == kcuda::Layout::paged) {
+    v.max_blocks = static_cast<int>(cap / 16);
+    v.block_size = 16;
+    v.head_stride = 16 * dim;
+    v.block_stride = v.head_stride * heads;
+    const int num_blocks = batch * v.max_blocks + 1;
+    for (int i = 0; i < batch * v.max_blocks; ++i) table.push_back(num_blocks - 1 - i);
+    elements = static_cast<std::size_t>(num_blocks * v.block_stride);
+  } else {
+    v.head_stride = cap * dim;
+    v.seq_stride = v.head_stride * heads;
+    elements = static_cast<std::size_t>(batch * v.seq_stride);
+  }
+  std::vector<T> k(elements, kvcache::from_float<T>(std::numeric_limits<float>::quiet_NaN()));
+  std::vector<T> val = k;
+  for (int s = 0; s < batch; ++s) {
+    for (std::int64_t p = 0; p < lengths[static_cast<std::size_t>(s)]; ++p) {
+      for (int head = 0; head < heads; ++head) {
+        const auto at = static_cast<std::size_t>(host_row_offset(v, table, s, head, p));
+        const auto from = static_cast<std::size_t>((p * heads + head) * dim);
+        for (int x = 0; x < dim; ++x) {
+          k[at + static_cast<std::size_t>(x)] = kvcache::from_float<T>(
+              keys[static_cast<std::size_t>(s)][from + static_cast<std::size_t>(x)]);
+          val[at + static_cast<std::size_t>(x)] = kvcache::from_float<T>(
+              values[static_cast<std::size_t>(s)][from + static_cast<std::size_t>(x)]);
+        }
+      }
+    }
+  }
+  h->k = upload(k);
+  h->v = upload(val);
+  h->length = upload(lengths);
+  v.k = h->k.data();
+  v.v = h->v.data();
+  v.length = h->length.data();
+  if (!table.empty()) {
+    h->table = upload(table);
+    v.block_table = h->table.data();
+  }
+  return h;
+}
+
+// Output rows [rows][heads][dim]: row r, head h NaN throughout when nan(r, h), else the same bits
+// as in `base`.
+template <class Nan>
+void require_nan_rows(const std::vector<float>& got, const std::vector<float>& base,
+                      std::size_t rows, std::size_t heads, std::size_t dim, Nan&& nan) {
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t h = 0; h < heads; ++h) {
+      const std::size_t at = (r * heads + h) * dim;
+      INFO("row " << r << " head " << h << ": first element " << got[at] << ", finite run "
+                  << base[at]);
+      if (nan(r, h)) {
+        for (std::size_t x = 0; x < dim; ++x) REQUIRE(std::isnan(got[at + x]));
+      } else {
+        REQUIRE(std::memcmp(got.data() + at, base.data() + at, dim * sizeof(float)) == 0);
+      }
+    }
+  }
+}
+
+// One planted value: `value` at element x of the K (or V) row of (seq, kv_head, pos).
+struct Plant {
+  bool value_side;
+  std::size_t seq, kv_head;
+  std::int64_t pos;
+  std::size_t x;
+  float value;
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE(
+    "CUDA decode and prefill: inf or NaN in q, or in a seen key's K or V, makes exactly the rows "
+    "that see it NaN; unseen ones change no bit",
+    "[cuda]", float, kvcache::half, bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  auto rng = kvcache::test::make_rng("cuda-nonfinite");
+  constexpr float kInfinity = std::numeric_limits<float>::infinity();
+  constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+  constexpr std::size_t dim = 64, kv_heads = 2, group = 4, q_heads = kv_heads * group;
+  const auto tokens = [&](std::int64_t n) {  // values exact in every element type
+    return kvcache::test::rounded<bfloat16>(
+        kvcache::test::normal_floats(rng, static_cast<std::size_t>(n) * kv_heads * dim));
+  };
+  // Under AddressSanitizer (kernels emulated on the CPU, 5x slower) the paged layout and the
+  // first options only: the memory errors it looks for do not depend on the masks.
+#if defined(__SANITIZE_ADDRESS__)
+  constexpr bool kQuick = true;
+#else
+  constexpr bool kQuick = false;
+#endif
+  const auto planted = [](std::vector<std::vector<float>> kv, const Plant& p) {
+    kv[p.seq][(static_cast<std::size_t>(p.pos) * kv_heads + p.kv_head) * dim + p.x] = p.value;
+    return kv;
+  };
+  for (kcuda::Layout layout : {kcuda::Layout::paged, kcuda::Layout::contiguous}) {
+    if (kQuick && layout != kcuda::Layout::paged) continue;
+    // Decode: 600 keys (split-K: the merge sees the NaN partial), an empty sequence whose q is
+    // NaN (zeros: it sees no key), 77 keys (keys in the first split only).
+    const std::vector<std::int64_t> lengths{600, 0, 77};
+    std::vector<std::vector<float>> keys, values;
+    for (std::int64_t n : lengths) {
+      keys.push_back(tokens(n));
+      values.push_back(tokens(n));
+    }
+    auto q = kvcache::test::normal_floats(rng, lengths.size() * q_heads * dim);
+    std::fill(q.begin() + q_heads * dim, q.begin() + 2 * q_heads * dim, kNan);
+    std::vector<kcuda::DecodeKernel> kernels{kcuda::default_decode_kernel<T>};
+    if constexpr (!std::is_same_v<T, float>) {
+      kernels.push_back(kcuda::DecodeKernel::tensor_cores_per_warp);
+    }
+    for (const AttentionOptions& opts :
+         {AttentionOptions{}, AttentionOptions{.window = 100, .num_sink_tokens = 4},
+          AttentionOptions{.scale = 0.2f, .softcap = 5.0f}}) {
+      if (kQuick && opts.window != 0) continue;
+      for (const kcuda::DecodeKernel kernel : kernels) {
+        INFO("decode, layout " << static_cast<int>(layout) << " kernel "
+                               << kcuda::decode_kernel_name(kernel) << " window " << opts.window
+                               << " softcap " << opts.softcap);
+        const auto setup = kcuda::make_decode_setup<T>(q_heads, kv_heads, dim, kernel);
+        const auto run = [&](const std::vector<float>& qq,
+                             const std::vector<std::vector<float>>& kk,
+                             const std::vector<std::vector<float>>& vv, std::size_t* ws_out) {
+          const auto hk = hand_kv<T>(layout, kk, vv, lengths, kv_heads, dim);
+          const std::size_t ws_bytes =
+              kcuda::decode_workspace_bytes(hk->view, static_cast<int>(q_heads), opts, &setup);
+          if (ws_out != nullptr) *ws_out = ws_bytes;
+          kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
+          auto dq = upload(qq);
+          kcuda::DeviceBuffer<float> dout(qq.size());
+          kcuda::launch_decode_attention(hk->view, dq.data(), dout.data(),
+                                         static_cast<int>(q_heads), opts, ws.data(), ws_bytes,
+                                         nullptr, &setup);
+          kcuda::check(cudaDeviceSynchronize(), "decode");
+          return download(dout.data(), qq.size());
+        };
+        std::size_t ws_bytes = 0;
+        const auto base = run(q, keys, values, &ws_bytes);
+        if (opts.window == 0) REQUIRE(ws_bytes > 0);  // split-K, merged by decode_merge_kernel
+        for (std::size_t i = 0; i < base.size(); ++i) {
+          if (i / (q_heads * dim) == 1) {
+            REQUIRE(base[i] == 0.0f);  // the empty sequence, NaN q
+          } else {
+            REQUIRE(std::isfinite(base[i]));
+          }
+        }
+        // q: that head only
+        for (const auto& [s, h, bad] : {std::tuple{std::size_t{0}, std::size_t{5}, kInfinity},
+                                        std::tuple{std::size_t{2}, std::size_t{0}, kNan},
+                                        std::tuple{std::size_t{0}, std::size_t{2}, -kInfinity}}) {
+          auto bad_q = q;
+          bad_q[(s * q_heads + h) * dim + 7] = bad;
+          INFO("q[" << s << "][" << h << "] = " << bad);
+          require_nan_rows(run(bad_q, keys, values, nullptr), base, lengths.size(), q_heads, dim,
+                           [&](std::size_t r, std::size_t rh) { return r == s && rh == h; });
+        }
+        // K and V: seen keys (the first, the last, one mid-split, a sink), keys outside the
+        // window
+        const std::vector<Plant> plants{
+            {false, 0, 0, 0, 3, kInfinity},     {true, 0, 1, 0, 60, kNan},
+            {false, 0, 1, 250, 5, kNan},        {true, 0, 0, 300, 0, -kInfinity},
+            {false, 0, 0, 599, 63, -kInfinity}, {true, 0, 1, 599, 1, kInfinity},
+            {true, 0, 0, 2, 9, kInfinity},      {false, 2, 1, 40, 2, kNan},
+            {true, 2, 0, 76, 8, kNan}};
+        for (const Plant& p : plants) {
+          INFO((p.value_side ? "V" : "K") << " of seq " << p.seq << " head " << p.kv_head << " pos "
+                                          << p.pos << " = " << p.value);
+          const auto got = run(q, p.value_side ? keys : planted(keys, p),
+                               p.value_side ? planted(values, p) : values, nullptr);
+          require_nan_rows(got, base, lengths.size(), q_heads, dim,
+                           [&](std::size_t r, std::size_t h) {
+                             return r == p.seq && h / group == p.kv_head &&
+                                    sees(opts, lengths[p.seq] - 1, p.pos);
+                           });
+        }
+      }
+    }
+
+    // Prefill: sequence 0 holds 70 cached tokens and 60 new ones (positions 70..129), sequence
+    // 1 20 new ones; causal, so a value planted at a later token of the chunk touches none of
+    // the earlier rows.
+    const std::vector<std::int64_t> total{130, 20};
+    const std::vector<std::int32_t> offsets{0, 60, 80};
+    std::vector<std::vector<float>> pk, pv;
+    for (std::int64_t n : total) {
+      pk.push_back(tokens(n));
+      pv.push_back(tokens(n));
+    }
+    const auto pq = kvcache::test::normal_floats(rng, 80 * q_heads * dim);
+    auto doff = upload(offsets);
+    const auto row_pos = [&](std::size_t r, std::size_t& seq) {
+      seq = r < 60 ? 0 : 1;
+      const std::int64_t first = total[seq] - (offsets[seq + 1] - offsets[seq]);
+      return first + static_cast<std::int64_t>(r) - offsets[seq];
+    };
+    for (const AttentionOptions& opts :
+         {AttentionOptions{}, AttentionOptions{.window = 20, .num_sink_tokens = 2},
+          AttentionOptions{.scale = 0.2f, .softcap = 5.0f}, AttentionOptions{.causal = false}}) {
+      if (kQuick && opts.window == 0 && opts.causal) continue;
+      INFO("prefill, layout " << static_cast<int>(layout) << " window " << opts.window
+                              << " softcap " << opts.softcap << " causal " << opts.causal);
+      const auto run = [&](const std::vector<float>& qq, const std::vector<std::vector<float>>& kk,
+                           const std::vector<std::vector<float>>& vv) {
+        const auto hk = hand_kv<T>(layout, kk, vv, total, kv_heads, dim);
+        auto dq = upload(qq);
+        kcuda::DeviceBuffer<float> dout(qq.size());
+        kcuda::launch_prefill_attention(hk->view, dq.data(), dout.data(), static_cast<int>(q_heads),
+                                        doff.data(), 60, opts, nullptr);
+        kcuda::check(cudaDeviceSynchronize(), "prefill");
+        return download(dout.data(), qq.size());
+      };
+      const auto base = run(pq, pk, pv);
+      for (float x : base) REQUIRE(std::isfinite(x));
+      for (const auto& [r, h, bad] : {std::tuple{std::size_t{10}, std::size_t{2}, kNan},
+                                      std::tuple{std::size_t{65}, std::size_t{7}, kInfinity}}) {
+        auto bad_q = pq;
+        bad_q[(r * q_heads + h) * dim + 1] = bad;
+        INFO("q row " << r << " head " << h << " = " << bad);
+        require_nan_rows(run(bad_q, pk, pv), base, 80, q_heads, dim,
+                         [&](std::size_t rr, std::size_t rh) { return rr == r && rh == h; });
+      }
+      // a later token of the chunk (100, 129), the cached prefix (5, 1), the first new token,
+      // a sink
+      const std::vector<Plant> plants{
+          {true, 0, 0, 100, 4, kNan},        {false, 0, 1, 100, 4, kInfinity},
+          {true, 0, 1, 129, 63, -kInfinity}, {false, 0, 0, 5, 0, -kInfinity},
+          {true, 0, 0, 1, 17, kInfinity},    {true, 0, 1, 70, 2, kNan},
+          {false, 1, 1, 10, 30, kNan},       {true, 1, 0, 19, 3, kInfinity}};
+      for (const Plant& p : plants) {
+        INFO((p.value_side ? "V" : "K") << " of seq " << p.seq << " head " << p.kv_head << " pos "
+                                        << p.pos << " = " << p.value);
+        const auto got =
+            run(pq, p.value_side ? pk : planted(pk, p), p.value_side ? planted(pv, p) : pv);
+        require_nan_rows(got, base, 80, q_heads, dim, [&](std::size_t r, std::size_t h) {
+          std::size_t seq = 0;
+          const std::int64_t qpos = row_pos(r, seq);
+          return seq == p.seq && h / group == p.kv_head && sees(opts, qpos, p.pos);
+        });
+      }
+    }
+  }
 }

@@ -25,6 +25,20 @@ namespace kvcache {
 /// window and sinks (a token decoded alone and the same token inside a prefill chunk agree
 /// exactly), and whether the keys sit in a static, dynamic, paged or sliding-window cache.
 ///
+/// Inf and NaN, for each output row out[t][h] (the same in reference::attend, every CPU kernel
+/// and the CUDA kernels):
+///  1. A row that sees no key (none visible under the mask) is all zeros, whatever q[t][h] holds.
+///  2. Otherwise, if q[t][h], or the K or V row (of KV head h / group) of any key the row may see
+///     holds an inf or NaN, every element of the row is a quiet NaN. The soft-cap does not hide
+///     an inf score: the test looks at the raw scores.
+///  3. Inf and NaN in keys the row cannot see (later positions under causal masking, outside the
+///     window, other KV heads' rows, slots the view does not hold) change none of its bits.
+///  4. Rows with finite inputs are computed exactly as without rule 2 and 3's checks. Scores are
+///     fp32: finite q and K whose scaled dot product overflows float (or values whose weighted sum
+///     does) are outside this contract (the row may come out NaN or inf).
+/// A float beyond half's or bfloat16's range appended to such a cache is stored as inf (see
+/// CacheConcept), so the rows that see it are NaN.
+///
 /// Shapes: q and out [n][num_q_heads][head_dim]; num_q_heads a multiple of the view's
 /// num_kv_heads; head_dim equal to the view's (at most cpu::kMaxHeadDim).
 /// @pre every key position a query may see is in the view (checked: views of a sliding window

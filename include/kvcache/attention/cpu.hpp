@@ -8,9 +8,11 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <span>
@@ -73,15 +75,29 @@ struct PortableOps {
   static void pv(const float* p, std::size_t stride, std::size_t rows, const T* const* v,
                  std::size_t nk, std::size_t d, float* acc, const Prefetch* /*ahead*/,
                  std::size_t /*num_ahead*/) noexcept {
+    // No skip for p == 0: a weight that underflowed must still turn an inf or NaN of V into
+    // NaN (slots a row does not see read a zero row instead, see Sweep::pv_hidden).
     for (std::size_t j = 0; j < nk; ++j) {
       for (std::size_t r = 0; r < rows; ++r) {
         const float pr = p[r * stride + j];
-        if (pr == 0.0f) continue;
         for (std::size_t x = 0; x < d; ++x) acc[r * d + x] += pr * to_float(v[j][x]);
       }
     }
   }
   static float max(const float* x, std::size_t n) noexcept { return *std::max_element(x, x + n); }
+  /// max(x, n), and sets `found` when some x[i] is inf or NaN.
+  static float max_nonfinite(const float* x, std::size_t n, bool& found) noexcept {
+    found = found || nonfinite(x, n);
+    return max(x, n);
+  }
+  /// True when some x[i] is inf or NaN.
+  static bool nonfinite(const float* x, std::size_t n) noexcept {
+    bool any = false;
+    for (std::size_t i = 0; i < n; ++i) {
+      any = any || (std::bit_cast<std::uint32_t>(x[i]) & 0x7f800000u) == 0x7f800000u;
+    }
+    return any;
+  }
   static float exp_sum(float* x, std::size_t n, float shift) noexcept {
     float total = 0.0f;
     for (std::size_t i = 0; i < n; ++i) {
@@ -297,6 +313,23 @@ class KeyWalker {
   position_t end_ = 0;
 };
 
+static_assert(kTile <= 32, "Sweep keeps a tile's visible slots in a 32-bit mask");
+
+/// kMaxHeadDim zero elements: the V row that slots no query row of a tile sees read.
+template <Element T>
+[[nodiscard]] const T* zero_row() noexcept {
+  alignas(64) static const T zeros[kMaxHeadDim] = {};
+  return zeros;
+}
+
+/// True when every element of row[0, d) is finite.
+template <Element T>
+[[nodiscard]] bool finite_row(const T* row, std::size_t d) noexcept {
+  bool finite = true;
+  for (std::size_t x = 0; x < d; ++x) finite = finite && std::isfinite(to_float(row[x]));
+  return finite;
+}
+
 /// One online-softmax sweep: up to kRowBlock query rows, all mapped to KV head `kv_head`, over
 /// the view's visible keys, one tile of kTile keys per step(). The caller owns the scaled queries
 /// and the output accumulators ([num_rows][head_dim] floats each), so that the sweeps of several
@@ -326,6 +359,7 @@ class Sweep {
       std::fill(acc_ + r * d_, acc_ + (r + 1) * d_, 0.0f);
       row_max_[r] = -std::numeric_limits<float>::infinity();
       row_sum_[r] = 0.0f;
+      row_bad_[r] = false;
     }
     ahead_.skip(lead_tiles * kTile);
   }
@@ -374,45 +408,64 @@ class Sweep {
     const position_t t0 = runs[0].first;
     const position_t t_last =
         runs[num_runs - 1].first + static_cast<position_t>(runs[num_runs - 1].n) - 1;
+    const std::uint32_t all_slots = nk == kTile ? ~std::uint32_t{0} : (std::uint32_t{1} << nk) - 1;
     for (std::size_t r0 = 0; r0 < num_rows_; r0 += kSubRows) {
       const std::size_t sub = std::min(kSubRows, num_rows_ - r0);
       TileCover cover[kSubRows];
-      bool any = false;
+      bool any = false, hidden = holes;  // hidden: some row of the block misses some slot
       for (std::size_t r = 0; r < sub; ++r) {
         cover[r] = tile_cover(mask_, rows_[r0 + r].pos, t0, t_last);
         any = any || cover[r] != TileCover::none;
+        hidden = hidden || cover[r] != TileCover::full;
       }
       if (!any) continue;
       // The first row block fetches the rows ahead; later ones find them already coming.
       const std::size_t num_fetch = r0 == 0 ? num_runs : 0;
       Ops::qk(qs_ + r0 * d, sub, krows, nk, d, s_, kTile, fetch, num_fetch);
+      std::uint32_t seen[kSubRows];  // bit j: slot j holds a key row r may see
       for (std::size_t r = 0; r < sub; ++r) {
         float* sr = s_ + r * kTile;
         if (cover[r] == TileCover::none) {
+          seen[r] = 0;
           std::fill(sr, sr + nk, 0.0f);
           continue;
         }
-        if (softcap_ > 0.0f) {
-          for (std::size_t j = 0; j < nk; ++j) sr[j] = softcap_ * std::tanh(sr[j] / softcap_);
-        }
-        if (holes) {
-          std::size_t filled = 0;  // every slot below it holds a key or is a hole already at -inf
-          for (std::size_t i = 0; i < num_runs; ++i) {
-            const auto at = static_cast<std::size_t>(runs[i].first - cell);
-            std::fill(sr + filled, sr + at, neg_inf);
-            filled = at + runs[i].n;
+        // q or a key it sees not finite: the raw score (before the soft-cap, which would make
+        // an inf finite) is not finite either, and the row's output will be NaN (finish()).
+        bool bad = false;
+        float tile_max = neg_inf;
+        if (cover[r] == TileCover::full && !holes) {  // every slot a key the row sees
+          seen[r] = all_slots;
+          if (softcap_ > 0.0f) {
+            bad = Ops::nonfinite(sr, nk);
+            for (std::size_t j = 0; j < nk; ++j) sr[j] = softcap_ * std::tanh(sr[j] / softcap_);
+            tile_max = Ops::max(sr, nk);
+          } else {
+            tile_max = Ops::max_nonfinite(sr, nk, bad);  // one pass: the max and the check
           }
-        }
-        if (cover[r] == TileCover::partial) {
+        } else {
+          seen[r] = 0;
           for (std::size_t i = 0; i < num_runs; ++i) {
             const auto at = static_cast<std::size_t>(runs[i].first - cell);
             for (std::size_t j = 0; j < runs[i].n; ++j) {
               const position_t pos = runs[i].first + static_cast<position_t>(j);
-              if (!mask_.visible(rows_[r0 + r].pos, pos)) sr[at + j] = neg_inf;
+              if (cover[r] == TileCover::partial && !mask_.visible(rows_[r0 + r].pos, pos)) {
+                continue;
+              }
+              seen[r] |= std::uint32_t{1} << (at + j);
+              bad = bad || !std::isfinite(sr[at + j]);
             }
           }
+          for (std::size_t j = 0; j < nk; ++j) {  // holes and masked keys: -inf
+            if ((seen[r] >> j & 1u) == 0) {
+              sr[j] = neg_inf;
+            } else if (softcap_ > 0.0f) {
+              sr[j] = softcap_ * std::tanh(sr[j] / softcap_);
+            }
+          }
+          tile_max = Ops::max(sr, nk);
         }
-        const float tile_max = Ops::max(sr, nk);
+        row_bad_[r0 + r] = row_bad_[r0 + r] || bad;
         if (tile_max == neg_inf) {
           std::fill(sr, sr + nk, 0.0f);
           continue;
@@ -427,15 +480,27 @@ class Sweep {
         m = m_new;
         row_sum_[r0 + r] += Ops::exp_sum(sr, nk, m_new);
       }
-      Ops::pv(s_, kTile, sub, vrows, nk, d, acc_ + r0 * d, fetch, num_fetch);
+      if (!hidden) {
+        Ops::pv(s_, kTile, sub, vrows, nk, d, acc_ + r0 * d, fetch, num_fetch);
+      } else {
+        pv_hidden(sub, seen, vrows, nk, acc_ + r0 * d, fetch, num_fetch);
+      }
     }
   }
 
-  /// Writes each row's output (zeros for a row that saw no key).
+  /// Writes each row's output: zeros for a row that saw no key; NaN throughout for a row that
+  /// saw an inf or NaN (in q, or in a key's K or V row).
   void finish() const noexcept {
     for (std::size_t r = 0; r < num_rows_; ++r) {
+      float* out = rows_[r].out;
+      // A seen V row's inf or NaN has left the accumulator non-finite (0 * inf is NaN too). The
+      // check reads the accumulator, not the output just stored (store forwarding stalls).
+      if (row_bad_[r] || Ops::nonfinite(acc_ + r * d_, d_)) {
+        std::fill(out, out + d_, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
       const float inv = row_sum_[r] > 0.0f ? 1.0f / row_sum_[r] : 0.0f;
-      for (std::size_t x = 0; x < d_; ++x) rows_[r].out[x] = acc_[r * d_ + x] * inv;
+      for (std::size_t x = 0; x < d_; ++x) out[x] = acc_[r * d_ + x] * inv;
     }
   }
 
@@ -451,6 +516,38 @@ class Sweep {
     return {mask, pos_max, low_min};
   }
 
+  // p.V of a block of `sub` rows over a tile where some row misses some slot (holes, masked
+  // keys): a slot no row sees reads a zero row, so that its weight 0 cannot meet an inf or NaN
+  // there (0 * inf is NaN). A slot some rows see and others not is read as it is where its V row
+  // is finite (0 * finite adds nothing, bit for bit); else each row runs alone over its own
+  // slots. A row's arithmetic is the same alone or beside others (each micro-kernel keeps one
+  // accumulator per row and adds the keys in order).
+  void pv_hidden(std::size_t sub, const std::uint32_t* seen, const T* const* vrows, std::size_t nk,
+                 float* acc, const Prefetch* fetch, std::size_t num_fetch) const noexcept {
+    const T* zero = zero_row<T>();
+    std::uint32_t seen_any = 0, seen_all = ~std::uint32_t{0};
+    for (std::size_t r = 0; r < sub; ++r) {
+      seen_any |= seen[r];
+      seen_all &= seen[r];
+    }
+    bool alone = false;
+    const T* v[kTile];
+    for (std::size_t j = 0; j < nk; ++j) {
+      const std::uint32_t bit = std::uint32_t{1} << j;
+      v[j] = (seen_any & bit) != 0 ? vrows[j] : zero;
+      if ((seen_any & ~seen_all & bit) != 0 && !alone) alone = !finite_row(vrows[j], d_);
+    }
+    if (!alone) {
+      Ops::pv(s_, kTile, sub, v, nk, d_, acc, fetch, num_fetch);
+      return;
+    }
+    for (std::size_t r = 0; r < sub; ++r) {
+      if (seen[r] == 0) continue;
+      for (std::size_t j = 0; j < nk; ++j) v[j] = (seen[r] >> j & 1u) != 0 ? vrows[j] : zero;
+      Ops::pv(s_ + r * kTile, kTile, 1, v, nk, d_, acc + r * d_, fetch, r == 0 ? num_fetch : 0);
+    }
+  }
+
   const Row* rows_;
   std::size_t num_rows_;
   std::size_t d_;
@@ -461,6 +558,7 @@ class Sweep {
   alignas(64) float s_[kSubRows * kTile];
   float row_max_[kRowBlock];
   float row_sum_[kRowBlock];
+  bool row_bad_[kRowBlock];  // the row saw a non-finite score: its output is NaN
   KeyWalker<T> keys_;
   // The K/V rows fetched while this tile computes. The micro-kernel spreads the prefetches over
   // its loop: one burst would stall on the line-fill buffers, and the V tile's column-wise reads

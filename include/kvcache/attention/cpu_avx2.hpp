@@ -41,7 +41,9 @@ inline void with_rows(std::size_t rows, F&& f) {
 
 #include <immintrin.h>
 
+#include <bit>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 
 #define KVCACHE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -298,6 +300,45 @@ struct Avx2Ops {
     float best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
     for (; i < n; ++i) best = x[i] > best ? x[i] : best;
     return best;
+  }
+  /// max(x, n), and sets `found` when some x[i] is inf or NaN: the same pass, the same max.
+  KVCACHE_TARGET_AVX2 static float max_nonfinite(const float* x, std::size_t n,
+                                                 bool& found) noexcept {
+    const __m256i exp_bits = _mm256_set1_epi32(0x7f800000);
+    __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256i any = _mm256_setzero_si256();
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      m = _mm256_max_ps(m, v);
+      const __m256i e = _mm256_and_si256(_mm256_castps_si256(v), exp_bits);
+      any = _mm256_or_si256(any, _mm256_cmpeq_epi32(e, exp_bits));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    bool bad = _mm256_testz_si256(any, any) == 0;
+    for (; i < n; ++i) {
+      best = x[i] > best ? x[i] : best;
+      bad = bad || (std::bit_cast<std::uint32_t>(x[i]) & 0x7f800000u) == 0x7f800000u;
+    }
+    found = found || bad;
+    return best;
+  }
+  /// True when some x[i] is inf or NaN (every exponent bit set).
+  KVCACHE_TARGET_AVX2 static bool nonfinite(const float* x, std::size_t n) noexcept {
+    const __m256i exp_bits = _mm256_set1_epi32(0x7f800000);
+    __m256i any = _mm256_setzero_si256();
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256i e = _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(x + i)), exp_bits);
+      any = _mm256_or_si256(any, _mm256_cmpeq_epi32(e, exp_bits));
+    }
+    bool found = _mm256_testz_si256(any, any) == 0;
+    for (; i < n; ++i) {
+      found = found || (std::bit_cast<std::uint32_t>(x[i]) & 0x7f800000u) == 0x7f800000u;
+    }
+    return found;
   }
   /// x[i] = exp(x[i] - shift) for x[i] <= shift (-inf gives 0); returns the sum of the results.
   KVCACHE_TARGET_AVX2 static float exp_sum(float* x, std::size_t n, float shift) noexcept {

@@ -259,6 +259,48 @@ struct Avx512Ops {
     if (i < n) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(neg_inf, first_lanes(n - i), x + i));
     return _mm512_reduce_max_ps(m);
   }
+  /// max(x, n), and sets `found` when some x[i] is inf or NaN: the same pass, the same max.
+  KVCACHE_TARGET_AVX512 static float max_nonfinite(const float* x, std::size_t n,
+                                                   bool& found) noexcept {
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512i exp_bits = _mm512_set1_epi32(0x7f800000);
+    __m512 m = neg_inf;
+    __mmask16 any = 0;
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      m = _mm512_max_ps(m, v);
+      any = static_cast<__mmask16>(
+          any |
+          _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exp_bits), exp_bits));
+    }
+    if (i < n) {  // lanes past n read -inf for the max and are left out of the check
+      const __mmask16 tail = first_lanes(n - i);
+      const __m512 v = _mm512_mask_loadu_ps(neg_inf, tail, x + i);
+      m = _mm512_max_ps(m, v);
+      any = static_cast<__mmask16>(
+          any | _mm512_mask_cmpeq_epi32_mask(
+                    tail, _mm512_and_si512(_mm512_castps_si512(v), exp_bits), exp_bits));
+    }
+    found = found || any != 0;
+    return _mm512_reduce_max_ps(m);
+  }
+  /// True when some x[i] is inf or NaN (every exponent bit set).
+  KVCACHE_TARGET_AVX512 static bool nonfinite(const float* x, std::size_t n) noexcept {
+    const __m512i exp_bits = _mm512_set1_epi32(0x7f800000);
+    __mmask16 any = 0;
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512i e = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + i)), exp_bits);
+      any = static_cast<__mmask16>(any | _mm512_cmpeq_epi32_mask(e, exp_bits));
+    }
+    if (i < n) {  // lanes past n read 0, which is finite
+      const __m512i e = _mm512_and_si512(
+          _mm512_castps_si512(_mm512_maskz_loadu_ps(first_lanes(n - i), x + i)), exp_bits);
+      any = static_cast<__mmask16>(any | _mm512_cmpeq_epi32_mask(e, exp_bits));
+    }
+    return any != 0;
+  }
   /// x[i] = exp(x[i] - shift) for x[i] <= shift (-inf gives 0); returns the sum of the results.
   KVCACHE_TARGET_AVX512 static float exp_sum(float* x, std::size_t n, float shift) noexcept {
     const __m512 sv = _mm512_set1_ps(shift);

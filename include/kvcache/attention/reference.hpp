@@ -20,7 +20,10 @@ namespace kvcache::reference {
 /// key i (position k_pos[i]) that the options' mask allows, with a numerically stable softmax
 /// computed in double. Query head h uses KV head h / (num_q_heads / num_kv_heads).
 /// Shapes: q, out [n][num_q_heads][head_dim]; k, v [num_keys][num_kv_heads][head_dim].
-/// A query that sees no key gets a zero output. O(n * num_keys * num_q_heads * head_dim).
+/// Non-finite inputs, as kvcache::attend: a query that sees no key gets a zero output (whatever
+/// its q holds); else, if its q, or the K or V row of any key it sees, holds an inf or NaN, its
+/// whole output row is NaN; inf and NaN in keys it does not see change nothing.
+/// O(n * num_keys * num_q_heads * head_dim).
 /// @throws shape_error when shapes disagree.
 inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> q_pos,
                          TokenBlock<const float> k, TokenBlock<const float> v,
@@ -49,14 +52,20 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
       const std::size_t kvh = h / group;
       const float* qr = q.row(t, h);
       double max_score = -std::numeric_limits<double>::infinity();
+      bool bad = false;  // q, or a seen key's K or V row, holds an inf or NaN
       for (std::size_t i = 0; i < k.num_tokens; ++i) {
         if (!mask.visible(q_pos[t], k_pos[i])) {
           scores[i] = -std::numeric_limits<double>::infinity();
           continue;
         }
         const float* kr = k.row(i, kvh);
+        const float* vr = v.row(i, kvh);
         double s = 0.0;
-        for (std::size_t j = 0; j < d; ++j) s += static_cast<double>(qr[j]) * kr[j];
+        for (std::size_t j = 0; j < d; ++j) {
+          s += static_cast<double>(qr[j]) * kr[j];
+          bad = bad || !std::isfinite(qr[j]) || !std::isfinite(kr[j]) || !std::isfinite(vr[j]);
+        }
+        if (bad) break;  // the output is NaN whatever the other keys hold
         s *= scale;
         if (opts.softcap > 0.0f) s = opts.softcap * std::tanh(s / opts.softcap);
         scores[i] = s;
@@ -64,7 +73,7 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
       }
       std::fill(acc.begin(), acc.end(), 0.0);
       double sum = 0.0;
-      if (max_score > -std::numeric_limits<double>::infinity()) {
+      if (!bad && max_score > -std::numeric_limits<double>::infinity()) {
         for (std::size_t i = 0; i < k.num_tokens; ++i) {
           if (scores[i] == -std::numeric_limits<double>::infinity()) continue;
           const double p = std::exp(scores[i] - max_score);
@@ -74,8 +83,11 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
         }
       }
       float* o = out.row(t, h);
-      for (std::size_t j = 0; j < d; ++j)
-        o[j] = sum > 0.0 ? static_cast<float>(acc[j] / sum) : 0.0f;
+      for (std::size_t j = 0; j < d; ++j) {
+        o[j] = bad         ? std::numeric_limits<float>::quiet_NaN()
+               : sum > 0.0 ? static_cast<float>(acc[j] / sum)
+                           : 0.0f;
+      }
     }
   }
 }

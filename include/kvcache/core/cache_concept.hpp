@@ -21,7 +21,9 @@ namespace kvcache {
 ///  2. `c.append(layer, seq, k, v)`: stores n = k.num_tokens >= 1 new tokens of one layer of one
 ///     sequence, k and v shaped [n][num_kv_heads][head_dim]. float input is rounded to
 ///     value_type (nearest even), value_type input is copied. The tokens take the positions
-///     layer_length(layer, seq), ..., + n - 1.
+///     layer_length(layer, seq), ..., + n - 1. Values are stored as the IEEE conversion gives
+///     them: a float beyond half's or bfloat16's range becomes ±inf, NaN stays NaN; append
+///     neither saturates nor throws (attention then gives NaN for the rows that see them).
 ///  3. `cc.view(layer, seq)` -> view_type over what that layer holds for that sequence, with
 ///     length() == layer_length(layer, seq); valid until the next mutating call.
 ///  4. `cc.layer_length(layer, seq)` and `cc.seq_length(seq)` -> std::size_t: positions appended

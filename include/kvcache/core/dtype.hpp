@@ -24,7 +24,9 @@
 namespace kvcache {
 
 /// IEEE 754 binary16 storage type. Conversions round to nearest even, keep signed zeros,
-/// subnormals, infinities and NaN payloads (quietened), bit for bit like x86 F16C and CUDA.
+/// subnormals, infinities and NaN payloads (quietened), bit for bit like x86 F16C and CUDA. A
+/// float beyond half's range becomes ±inf (65520 and above in magnitude; 65519 rounds to 65504):
+/// nothing saturates; NaN stays NaN.
 struct half {
   std::uint16_t bits = 0;
 
@@ -79,7 +81,8 @@ struct half {
 };
 
 /// bfloat16 storage type: the top 16 bits of a float. float -> bfloat16 rounds to nearest even
-/// (subnormals kept, like CUDA's __float2bfloat16_rn); NaN stays NaN (quietened, sign kept).
+/// (subnormals kept, like CUDA's __float2bfloat16_rn); a float that rounds beyond bfloat16's range
+/// becomes ±inf (nothing saturates); NaN stays NaN (quietened, sign kept).
 struct bfloat16 {
   std::uint16_t bits = 0;
 
@@ -223,7 +226,8 @@ __attribute__((target("avx2,f16c"))) inline void half_to_floats_f16c(const half*
 }  // namespace detail
 
 /// Converts `in` to element type T, element by element, into `out` (same length; not checked:
-/// internal callers validate). Uses F16C for half where the CPU has it (same results).
+/// internal callers validate). Uses F16C for half where the CPU has it (same results: ±inf
+/// beyond the range, NaN kept).
 template <Element T>
 inline void convert_from_float(std::span<const float> in, T* out) noexcept {
   if constexpr (std::same_as<T, float>) {

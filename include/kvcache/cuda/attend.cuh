@@ -70,6 +70,10 @@ template <Element T>
 /// sequence's keys over several blocks (merged by a second kernel) so that the grid fills the
 /// device's waves; workspace must hold decode_workspace_bytes(...) bytes. `setup`, if given
 /// (make_decode_setup on this device), replaces the device queries every launch makes without.
+/// Inf and NaN as kvcache::attend on the CPU: a query head whose q, or the K or V row of a key it
+/// sees, holds an inf or NaN gets NaN throughout (whichever kernel and split computed it); inf
+/// and NaN elsewhere (other heads, keys outside the window, slots the view does not present)
+/// change none of the other heads' bits; an empty sequence gets zeros whatever q holds.
 /// @throws shape_error (head_dim not 64/128/256, num_q_heads not a multiple of num_kv_heads,
 ///         workspace too small, setup made for another dtype, head_dim, group or device),
 ///         cuda_error.
@@ -156,6 +160,11 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
 /// Prefill attention: q and out [total][num_q_heads][head_dim] device arrays, the rows of
 /// sequence s being q_offsets[s] .. q_offsets[s + 1] - 1 (device array), at that sequence's
 /// last positions (append their K/V first). Tensor cores for every dtype (tf32 for float).
+/// Inf and NaN as kvcache::attend on the CPU: a query row whose q, or the K or V row of a key it
+/// sees, holds an inf or NaN is NaN throughout; an inf or NaN in a key a row cannot see (a later
+/// token of the same chunk, a key outside its window) changes none of its bits. q is rounded to
+/// the K/V element type (fp16, bf16, tf32) for the tensor cores, so a q element beyond fp16's
+/// range counts as inf with fp16 K/V.
 /// @throws shape_error (head_dim not 64/128/256, or 256 with float), cuda_error.
 template <Element T>
 void launch_prefill_attention(const DeviceKVView<T>& view, const float* q, float* out,
@@ -195,6 +204,8 @@ namespace kvcache {
 /// per-sequence query offsets. Decode when args.q_offsets is null (q.num_tokens == num_seqs),
 /// prefill otherwise. opts.pool is ignored and opts.query_pos must be unset (queries sit at the
 /// last positions). Validate positions on the host first with DeviceCache::check_attention.
+/// Non-finite q, K and V: the semantics of the CPU kvcache::attend, in every decode kernel
+/// (DecodeKernel), split or not, and in the prefill kernel.
 /// @throws shape_error, cuda_error. Asynchronous: nothing is synchronised.
 template <Element T>
 void attend(TokenBlock<const float> q, const cuda::DeviceKVView<T>& view, TokenBlock<float> out,

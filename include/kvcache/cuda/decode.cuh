@@ -262,12 +262,13 @@ struct DecodeArgs {
 
 /// Writes a block's result for dim d of the query head at head_row (seq * num_q_heads + head):
 /// acc / l into out when the launch has one split, else the split's unnormalised partial (acc,
-/// and at d == 0 the head's m and l) for decode_merge_kernel. 0 for a head with no key (l = 0).
+/// and at d == 0 the head's m and l) for decode_merge_kernel. 0 for a head with no key (l = 0);
+/// NaN for a head whose l is NaN (it saw an inf or NaN), a mark the partial carries to the merge.
 template <int D>
 __device__ __forceinline__ void store_decode_result(const DecodeArgs& args, std::int64_t head_row,
                                                     int split, int d, float acc, float m, float l) {
   if (args.num_splits == 1) {
-    args.out[head_row * D + d] = l > 0.0f ? acc / l : 0.0f;
+    args.out[head_row * D + d] = l > 0.0f ? acc / l : l == 0.0f ? 0.0f : NAN;
     return;
   }
   const std::int64_t part_row = head_row * args.num_splits + split;
@@ -406,15 +407,16 @@ __global__ void __launch_bounds__(kDecodeThreads)
       float* s = s_s + g * kDecodeTile;
       const float* s_other = s_s + (ng + g) * kDecodeTile;
       float sc[2];
+      bool bad = false;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_tile[j];
         sc[h] = transform_score(s[j] + s_other[j], args.softcap,
-                                pos >= 0 && args.mask.visible(qpos, pos));
+                                pos >= 0 && args.mask.visible(qpos, pos), bad);
       }
       float p[2];
-      online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane);
+      online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane, bad);
       s[lane] = p[0];
       s[lane + 32] = p[1];
     }
@@ -456,15 +458,25 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for_each_kv_tile<kStages>(
       begin, kDecodeTile, [&](std::int64_t i) { return i < end; }, load, compute);
 
+  // An inf or NaN in a V row of these keys (every head sees them all) leaves the accumulators
+  // non-finite (0 * inf is NaN too): every head's output is NaN, marked by l = NaN.
+  bool v_bad = false;
+#pragma unroll
+  for (int a = 0; a < kPairs; ++a) {
+    if (a < num_pairs && a * kDecodeThreads + tid < ng * (D / 2)) {
+      v_bad = v_bad || !is_finite(acc[a].x) || !is_finite(acc[a].y);
+    }
+  }
+  v_bad = block_any<kDecodeThreads>(v_bad, s_s);  // the scores are no longer read
 #pragma unroll
   for (int a = 0; a < kPairs; ++a) {
     const int o = a * kDecodeThreads + tid;
     if (a < num_pairs && o < ng * (D / 2)) {
       const int g = o / (D / 2), d = 2 * (o % (D / 2));
       const std::int64_t head_row = static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + g;
+      const float l = v_bad ? NAN : l_s[g];
       if (args.num_splits == 1) {
-        const float l = l_s[g];
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const float inv = l > 0.0f ? 1.0f / l : l == 0.0f ? 0.0f : NAN;
         args.out[head_row * D + d] = acc[a].x * inv;
         args.out[head_row * D + d + 1] = acc[a].y * inv;
       } else {
@@ -473,7 +485,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         args.partial_acc[part_row * D + d + 1] = acc[a].y;
         if (d == 0) {
           args.partial_ml[part_row * 2] = m_s[g];
-          args.partial_ml[part_row * 2 + 1] = l_s[g];
+          args.partial_ml[part_row * 2 + 1] = l;
         }
       }
     }
@@ -557,11 +569,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float* warp_max_s = corr_s + kMaxGroup;  // [kWarps]
 
   // q's largest magnitude (times scale) picks the power of two that scales it near 2^12
+  // (an inf or NaN in q makes that head NaN: it does not change the other heads' power of two)
   float amax = 0.0f;
   for (int i = tid; i < ng * D; i += kDecodeThreads) {
     const float x =
         args.q[(static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + i / D) * D + i % D];
-    amax = fmaxf(amax, fabsf(x * args.scale));
+    const float ax = fabsf(x * args.scale);
+    if (is_finite(ax)) amax = fmaxf(amax, ax);
   }
   amax = warp_max(amax);
   if (lane == 0) warp_max_s[warp] = amax;
@@ -616,15 +630,16 @@ __global__ void __launch_bounds__(kDecodeThreads)
     __syncthreads();
     for (int g = warp; g < ng; g += kWarps) {  // online softmax, warp per head
       float sc[2];
+      bool bad = false;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_s[j];
         sc[h] = transform_score(s_s[g * L::kLdS + j] * unscale, args.softcap,
-                                pos >= 0 && args.mask.visible(qpos, pos));
+                                pos >= 0 && args.mask.visible(qpos, pos), bad);
       }
       float p[2];
-      online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane);
+      online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane, bad);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         store_parts<Traits, kParts>(p[h], p_s + g * L::kLdP + lane + 32 * h, kMaxGroup * L::kLdP);
@@ -660,10 +675,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for_each_kv_tile<kStages>(
       begin, kDecodeTile, [&](std::int64_t i) { return i < end; }, load, compute);
 
+  // an inf or NaN in a V row of these keys: every head's output is NaN (l = NaN)
+  bool v_bad = false;
+  for (int i = tid; i < ng * D; i += kDecodeThreads) {
+    v_bad = v_bad || !is_finite(o_s[(i / D) * L::kLdO + i % D]);
+  }
+  v_bad = block_any<kDecodeThreads>(v_bad, warp_max_s);  // read only before the tiles
   for (int i = tid; i < ng * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
     const std::int64_t head_row = static_cast<std::int64_t>(seq) * args.num_q_heads + h0 + g;
-    store_decode_result<D>(args, head_row, split, d, o_s[g * L::kLdO + d], m_s[g], l_s[g]);
+    store_decode_result<D>(args, head_row, split, d, o_s[g * L::kLdO + d], m_s[g],
+                           v_bad ? NAN : l_s[g]);
   }
 }
 
@@ -781,8 +803,12 @@ __global__ void __launch_bounds__(kDecodeThreads,
 
   // q (times scale and a power of two near 2^12), as A fragments: qa[mt][ks] covers dims
   // [16 ks, 16 ks + 16) of m-tile mt's rows
+  // (an inf or NaN in q makes that head NaN: it does not change the other heads' power of two)
   float amax = 0.0f;
-  for (int i = lane; i < ng * D; i += 32) amax = fmaxf(amax, fabsf(q_block[i] * args.scale));
+  for (int i = lane; i < ng * D; i += 32) {
+    const float ax = fabsf(q_block[i] * args.scale);
+    if (is_finite(ax)) amax = fmaxf(amax, ax);
+  }
   const Pow2Scale pow2 = pow2_scale_near_4096(warp_max(amax));
   std::uint32_t qa[kTiles][kKSteps][4];
 #pragma unroll
@@ -862,11 +888,12 @@ __global__ void __launch_bounds__(kDecodeThreads,
 #pragma unroll
     for (int i = 0; i < kHeadTiles; ++i) {
       float p[4], tile_max = -INFINITY;
+      bool bad = false;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const std::int64_t pos = pos_s[8 * (j / 2) + 2 * t + j % 2];
         sc[i][j] = transform_score(sc[i][j] * pow2.unscale, args.softcap,
-                                   pos >= 0 && args.mask.visible(qpos, pos));
+                                   pos >= 0 && args.mask.visible(qpos, pos), bad);
         tile_max = fmaxf(tile_max, sc[i][j]);
       }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
@@ -874,7 +901,7 @@ __global__ void __launch_bounds__(kDecodeThreads,
       const float m_new = fmaxf(m_run[i], tile_max);
       corr[i] = softmax_rescale(sc[i], p, m_run[i], m_new);
       m_run[i] = m_new;
-      l_run[i] = l_run[i] * corr[i] + (p[0] + p[1]) + (p[2] + p[3]);
+      l_run[i] = bad ? NAN : l_run[i] * corr[i] + (p[0] + p[1]) + (p[2] + p[3]);
       S parts[4][kParts];
 #pragma unroll
       for (int j = 0; j < 4; ++j) split_parts<Traits, kParts>(p[j], parts[j]);
@@ -941,6 +968,17 @@ __global__ void __launch_bounds__(kDecodeThreads,
   __pipeline_wait_prior(0);
   __syncwarp();
 
+  // an inf or NaN in a V row of this warp's keys (every head sees them all) leaves its
+  // accumulators non-finite (0 * inf is NaN too): every head's l is NaN, so is its output
+  bool v_bad = false;
+#pragma unroll
+  for (int mt = 0; mt < kTiles; ++mt)
+#pragma unroll
+    for (int nd = 0; nd < kDimTiles; ++nd)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v_bad = v_bad || !is_finite(o[mt][nd][e]);
+  v_bad = warp_max(v_bad ? 1.0f : 0.0f) != 0.0f;
+
   // this warp's partial result, per head, into its own shared memory: the rows of each head
   // summed (parts, part pairs, and for G = 4 the lanes 16 apart), l over the lane quad
   float* o_w = reinterpret_cast<float*>(mine);  // [G][D]
@@ -975,7 +1013,7 @@ __global__ void __launch_bounds__(kDecodeThreads,
     const int head = G >= 8 ? 8 * i + g : g;
     if (t == 0 && (G >= 8 || g < 4)) {
       m_w[head] = m_run[i];
-      l_w[head] = l_run[i];
+      l_w[head] = v_bad ? NAN : l_run[i];
     }
   }
   __syncthreads();
@@ -1000,7 +1038,8 @@ __global__ void __launch_bounds__(kDecodeThreads,
   }
 }
 
-/// Combines the splits of each (sequence, query head): out = sum_s acc_s e^(m_s - M) / L.
+/// Combines the splits of each (sequence, query head): out = sum_s acc_s e^(m_s - M) / L; NaN
+/// throughout where a split's l is NaN (it saw an inf or NaN), 0 where no split has a key.
 template <int D>
 __global__ void decode_merge_kernel(const float* __restrict__ partial_acc,
                                     const float* __restrict__ partial_ml, float* __restrict__ out,
@@ -1013,7 +1052,7 @@ __global__ void decode_merge_kernel(const float* __restrict__ partial_acc,
     const float2 sums = merge_partials(
         num_splits, m, [&](int s) { return ml[2 * s]; }, [&](int s) { return ml[2 * s + 1]; },
         [&](int s) { return partial_acc[(head_row * num_splits + s) * D + d]; });
-    out[head_row * D + d] = sums.y > 0.0f ? sums.x / sums.y : 0.0f;
+    out[head_row * D + d] = sums.y > 0.0f ? sums.x / sums.y : sums.y == 0.0f ? 0.0f : NAN;
   }
 }
 

@@ -43,8 +43,22 @@ struct PrefillLayout {
   static constexpr std::size_t kO = kS + sizeof(float) * kPrefillRows * kLdS;
   static constexpr std::size_t kPos = kO + sizeof(float) * kPrefillRows * kLdO;  // [kStages][64]
   static constexpr std::size_t kStats = kPos + kStages * sizeof(std::int64_t) * kPrefillKeys;
-  static constexpr std::size_t kBytes = kStats + 3 * sizeof(float) * kPrefillRows;
+  // one bit per V row of the tile holding an inf or NaN: [4 warps] words of 16 rows
+  static constexpr std::size_t kVBad = kStats + 3 * sizeof(float) * kPrefillRows;
+  static constexpr std::size_t kBytes = kVBad + (kPrefillThreads / 32) * sizeof(std::uint32_t);
 };
+
+/// True when one of the elements packed in the 32-bit word w (one float, or two fp16/bf16) is inf
+/// or NaN (every exponent bit set).
+template <Element T>
+__device__ __forceinline__ bool nonfinite_word(std::uint32_t w) {
+  if constexpr (std::is_same_v<T, float>) {
+    return (w & 0x7f800000u) == 0x7f800000u;
+  } else {
+    constexpr std::uint32_t e = std::is_same_v<T, kvcache::half> ? 0x7c00u : 0x7f80u;
+    return (w & e) == e || (w & (e << 16)) == (e << 16);
+  }
+}
 
 /// The prefill kernel's layout: K/V double-buffered (the next tile's copies in flight while this
 /// one is used) wherever that fits, else one buffer (fp16/bf16 at head_dim 256, float at 128).
@@ -56,7 +70,9 @@ using PrefillSmem = std::conditional_t<PrefillLayout<T, D, 2>::kBytes <= kMaxSme
 /// position length[s] - q_len(s) + r. Every step takes 64 keys of the visible list (their copies
 /// issued a step ahead where two K/V buffers fit), computes the 64 x 64 scores on tensor cores
 /// (warp w owns query rows 16w..16w+15), updates the online softmax of its rows, rescales their
-/// accumulator rows, and adds p.V on tensor cores.
+/// accumulator rows, and adds p.V on tensor cores. The V rows of a tile that hold an inf or NaN
+/// are zeroed in shared memory first and flagged: a row that sees such a key is NaN (its l), and
+/// the rows that do not, whose weight for it is 0, add 0 instead of 0 * inf = NaN.
 template <Element T, int D>
 __global__ void __launch_bounds__(kPrefillThreads)
     prefill_attention_kernel(DeviceKVView<T> view, const float* __restrict__ q,
@@ -97,6 +113,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
   float* m_s = reinterpret_cast<float*>(smem + L::kStats);
   float* l_s = m_s + kPrefillRows;
   float* corr_s = l_s + kPrefillRows;
+  std::uint32_t* v_bad_s = reinterpret_cast<std::uint32_t*>(smem + L::kVBad);
 
   // scaled queries in the operand precision; rows past q_len are zero
   for (int i = tid; i < kPrefillRows * D; i += kPrefillThreads) {
@@ -133,6 +150,27 @@ __global__ void __launch_bounds__(kPrefillThreads)
     const S* v_s = reinterpret_cast<const S*>(v_at(buf));
     const std::int64_t* pos_s = pos_at(buf);
 
+    {  // V rows [16w, 16w + 16) holding an inf or NaN: zeroed, bit r of v_bad_s[w] set
+      constexpr int kChunks = D * static_cast<int>(sizeof(S)) / 16;  // 16-byte chunks per row
+      std::uint32_t bad_rows = 0;
+      for (int i = lane; i < 16 * kChunks; i += 32) {
+        const int r = i / kChunks;
+        uint4* chunk =
+            reinterpret_cast<uint4*>(v_at(buf) + static_cast<std::size_t>(warp * 16 + r) * L::kLdQ *
+                                                     sizeof(S)) +
+            i % kChunks;
+        const uint4 x = *chunk;
+        if (nonfinite_word<T>(x.x) || nonfinite_word<T>(x.y) || nonfinite_word<T>(x.z) ||
+            nonfinite_word<T>(x.w)) {
+          *chunk = uint4{0u, 0u, 0u, 0u};
+          bad_rows |= 1u << r;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) bad_rows |= __shfl_xor_sync(kFullMask, bad_rows, o);
+      if (lane == 0) v_bad_s[warp] = bad_rows;
+    }
+
     // scores: warp rows [16w, 16w + 16) x 64 keys
     {
       wmma::fragment<wmma::accumulator, 16, 16, kK, float> acc[kPrefillKeys / 16];
@@ -163,21 +201,23 @@ __global__ void __launch_bounds__(kPrefillThreads)
                                 wmma::mem_row_major);
       }
     }
-    __syncwarp();
+    __syncthreads();  // every warp's zeroed V rows and v_bad_s
     // online softmax of the warp's 16 rows; lanes cover keys lane and lane + 32
     for (int rr = 0; rr < 16; ++rr) {
       const int r = warp * 16 + rr;
       const std::int64_t qpos = first_pos + r;
       float sc[2];
+      bool bad = false;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_s[j];
         const bool visible = r < rows && pos >= 0 && mask.visible(qpos, pos);
-        sc[h] = transform_score(s_s[r * L::kLdS + j], softcap, visible);
+        sc[h] = transform_score(s_s[r * L::kLdS + j], softcap, visible, bad);
+        bad = bad || (visible && (v_bad_s[j / 16] >> (j % 16) & 1u) != 0);
       }
       float p[2];
-      online_softmax_step(sc, p, &m_s[r], &l_s[r], &corr_s[r], lane);
+      online_softmax_step(sc, p, &m_s[r], &l_s[r], &corr_s[r], lane, bad);
       p_s[r * L::kLdP + lane] = Traits::from_float(p[0]);
       p_s[r * L::kLdP + lane + 32] = Traits::from_float(p[1]);
     }
@@ -214,9 +254,11 @@ __global__ void __launch_bounds__(kPrefillThreads)
   for_each_kv_tile<kStages>(0, kPrefillKeys, wanted, load, compute);
   for (int i = tid; i < rows * D; i += kPrefillThreads) {
     const int r = i / D, d = i % D;
-    const float l = l_s[r];
+    const float l = l_s[r];  // NaN: the row saw an inf or NaN
     out[((static_cast<std::int64_t>(q_begin) + row0 + r) * num_q_heads + q_head) * D + d] =
-        l > 0.0f ? o_s[r * L::kLdO + d] / l : 0.0f;
+        l > 0.0f    ? o_s[r * L::kLdO + d] / l
+        : l == 0.0f ? 0.0f
+                    : NAN;
   }
 }
 
