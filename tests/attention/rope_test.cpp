@@ -181,6 +181,26 @@ TEST_CASE("RoPE makes q . k depend on the distance between their positions only"
   }
 }
 
+TEST_CASE("RoPE turn() moves rotated vectors by a position delta, either way") {
+  auto rng = kvcache::test::make_rng("rope-turn");
+  for (const RopeConfig& config :
+       {RopeConfig{}, RopeConfig{.rotary_dims = 16, .pairing = RopePairing::neox},
+        RopeConfig{.scaling = RopeScaling::yarn, .factor = 4.0f, .original_max_position = 64}}) {
+    const Rope rope(config, 32);
+    const auto x = kvcache::test::normal_floats(rng, 2 * 32);
+    for (const auto& [from, delta] :
+         {std::pair<position_t, position_t>{5, 1000}, {100000, -99990}, {300, -300}}) {
+      auto moved = rotate_copy(rope, x, 2, from);
+      rope.turn(moved.data(), 2, static_cast<double>(delta));
+      const auto want = rotate_copy(rope, x, 2, from + delta);
+      INFO("from " << from << " by " << delta);
+      for (std::size_t j = 0; j < x.size(); ++j) {
+        REQUIRE(std::abs(moved[j] - want[j]) <= 1e-5f * (1.0f + std::abs(want[j])));
+      }
+    }
+  }
+}
+
 TEST_CASE("RoPE refuses what it cannot apply, naming the numbers") {
   require_throws<shape_error>([] { Rope r({.rotary_dims = 7}, 8); }, "rotary_dims 7", "even",
                               "head_dim 8");

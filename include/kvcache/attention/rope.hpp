@@ -113,7 +113,7 @@ class Rope {
   /// cos and sin of position `pos` for every pair, magnitude() applied: rotary_dims / 2 floats
   /// each into cs and sn. O(rotary_dims).
   void angles(double pos, float* cs, float* sn) const noexcept {
-    fill_angles(pos, 0, inv_freq_.size(), cs, sn);
+    fill_angles(pos, 0, inv_freq_.size(), cs, sn, magnitude_);
   }
 
   /// Rotates `num_heads` heads of head_dim floats each, back to back at x, by the angles of one
@@ -121,6 +121,22 @@ class Rope {
   /// rotary_dims); the heads of q and of k at one position share one angles() call.
   void rotate(float* x, std::size_t num_heads, const float* cs, const float* sn) const noexcept {
     rotate_pairs(x, num_heads, 0, inv_freq_.size(), cs, sn);
+  }
+
+  /// Moves `num_heads` heads at x, already rotated for some position p, to position p + delta:
+  /// a pure rotation by delta * inv_freq()[i] (magnitude() is not applied again), so that
+  /// q . k of a moved key equals q . k of one rotated at p + delta in the first place. delta may
+  /// be negative. What re-rotates keys (context shift) and turns queries back for cache-relative
+  /// positions. Allocates nothing. O(num_heads * rotary_dims).
+  void turn(float* x, std::size_t num_heads, double delta) const noexcept {
+    constexpr std::size_t kChunk = 64;  // pairs whose cos and sin sit on the stack at a time
+    float cs[kChunk], sn[kChunk];
+    const std::size_t pairs = inv_freq_.size();
+    for (std::size_t i0 = 0; i0 < pairs; i0 += kChunk) {
+      const std::size_t m = std::min(kChunk, pairs - i0);
+      fill_angles(delta, i0, m, cs, sn, 1.0f);
+      rotate_pairs(x, num_heads, i0, m, cs, sn);
+    }
   }
 
   /// Rotates every token t of x ([n][num_heads][head_dim]) to position first_pos + t, in place.
@@ -139,7 +155,7 @@ class Rope {
       float* row = x.data.data() + t * x.num_heads * head_dim_;
       for (std::size_t i0 = 0; i0 < pairs; i0 += kChunk) {
         const std::size_t m = std::min(kChunk, pairs - i0);
-        fill_angles(pos, i0, m, cs, sn);
+        fill_angles(pos, i0, m, cs, sn, magnitude_);
         rotate_pairs(row, x.num_heads, i0, m, cs, sn);
       }
     }
@@ -217,13 +233,13 @@ class Rope {
     return theta;
   }
 
-  // angles() of pairs [first, first + m) only, into cs[0..m) and sn[0..m).
-  void fill_angles(double pos, std::size_t first, std::size_t m, float* cs,
-                   float* sn) const noexcept {
+  // angles() of pairs [first, first + m) only, into cs[0..m) and sn[0..m), times `magnitude`.
+  void fill_angles(double pos, std::size_t first, std::size_t m, float* cs, float* sn,
+                   float magnitude) const noexcept {
     for (std::size_t j = 0; j < m; ++j) {
       const double angle = pos * static_cast<double>(inv_freq_[first + j]);
-      cs[j] = static_cast<float>(std::cos(angle)) * magnitude_;
-      sn[j] = static_cast<float>(std::sin(angle)) * magnitude_;
+      cs[j] = static_cast<float>(std::cos(angle)) * magnitude;
+      sn[j] = static_cast<float>(std::sin(angle)) * magnitude;
     }
   }
 
