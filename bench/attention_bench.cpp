@@ -3,7 +3,8 @@
 // contexts 1k..32k, float and half K/V, 1 and 2 threads, each SIMD kernel the CPU has (AVX2,
 // AVX-512), against a memory-read baseline measured in the same run. Each iteration reads another
 // layer of a cache much larger than the last-level cache, as a real decode step does, so the
-// figures are DRAM bandwidth, not cache bandwidth.
+// figures are DRAM bandwidth, not cache bandwidth. Also: sliding decode with cache-relative
+// positions over absolute ones.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -177,6 +178,40 @@ void BM_DecodeInCache(benchmark::State& state) {
 void in_cache_args(benchmark::internal::Benchmark* b) { add_args(b, {1024}); }
 BENCHMARK(BM_DecodeInCache)->Apply(in_cache_args)->UseRealTime();
 
+// Decode over a sliding window (4096 + 4 sinks, wrapped: 16k tokens appended) with absolute or
+// cache-relative positions (PositionMode): what turning the query back for the sinks costs.
+void BM_SlidingDecode(benchmark::State& state) {
+  const bool relative = state.range(0) != 0;
+  constexpr std::size_t kWindow = 4096, kSinks = 4, kAppended = 16384, kChunk = 1024;
+  kvcache::SlidingWindowCache<kvcache::half> cache({.num_layers = 1,
+                                                    .num_kv_heads = kKvHeads,
+                                                    .head_dim = kHeadDim,
+                                                    .window = kWindow,
+                                                    .num_sink_tokens = kSinks,
+                                                    .max_append_len = kChunk});
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist;
+  std::vector<float> kv(kChunk * kKvHeads * kHeadDim);
+  for (auto& x : kv) x = dist(rng);
+  for (std::size_t done = 0; done < kAppended; done += kChunk) {
+    cache.append(0, 0, kvcache::TokenBlock<const float>{kv, kChunk, kKvHeads, kHeadDim},
+                 kvcache::TokenBlock<const float>{kv, kChunk, kKvHeads, kHeadDim});
+  }
+  const kvcache::Rope rope({}, kHeadDim);
+  const kvcache::AttentionOptions opts{.window = kWindow,
+                                       .num_sink_tokens = kSinks,
+                                       .positions = relative ? kvcache::PositionMode::cache_relative
+                                                             : kvcache::PositionMode::absolute,
+                                       .rope = &rope};
+  std::vector<float> q(kQHeads * kHeadDim, 0.1f), out(q.size());
+  for (auto _ : state) {
+    kvcache::attend({q, 1, kQHeads, kHeadDim}, cache.view(0, 0), {out, 1, kQHeads, kHeadDim}, opts);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_SlidingDecode)->ArgName("relative")->Arg(0)->Arg(1)->UseRealTime();
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -218,6 +253,14 @@ int main(int argc, char** argv) {
         std::printf("%8d %7s %16.2f %12.2f %7.3f\n", t, kernel_name(simd), in_cache / 1e9, read,
                     in_cache / 1e9 / read);
       }
+    }
+    const double absolute = r.figure("BM_SlidingDecode/relative:0/real_time", "real_time_ns");
+    const double relative = r.figure("BM_SlidingDecode/relative:1/real_time", "real_time_ns");
+    if (absolute != 0 && relative != 0) {
+      std::printf(
+          "\nsliding decode (window 4096 + 4 sinks, half, 1 thread): cache-relative / absolute "
+          "positions time %.3f\n",
+          relative / absolute);
     }
   });
 }

@@ -61,6 +61,12 @@ class Engine {
     logits_.resize(c.vocab_size);
   }
 
+  /// How attention sees the sinks of a sliding window (kvcache::PositionMode): absolute (the
+  /// default) or cache_relative, which keeps every query-key distance within window + sinks, so
+  /// a model keeps its quality however far a sliding window has moved past its training length.
+  void set_positions(kvcache::PositionMode mode) noexcept { positions_ = mode; }
+  [[nodiscard]] kvcache::PositionMode positions() const noexcept { return positions_; }
+
   [[nodiscard]] const Model& model() const noexcept { return *model_; }
   [[nodiscard]] kvcache::ThreadPool* pool() const noexcept { return pool_; }
   [[nodiscard]] std::size_t max_chunk() const noexcept { return max_chunk_; }
@@ -169,8 +175,11 @@ class Engine {
     for (std::size_t t = 0; t < n; ++t) {
       rope_.angles(static_cast<double>(p0 + t), cos_.data() + t * half, sin_.data() + t * half);
     }
-    const kvcache::AttentionOptions attn{
-        .window = window.window, .num_sink_tokens = window.num_sink_tokens, .pool = pool_};
+    const kvcache::AttentionOptions attn{.window = window.window,
+                                         .num_sink_tokens = window.num_sink_tokens,
+                                         .pool = pool_,
+                                         .positions = positions_,
+                                         .rope = &rope_};
     for (std::size_t l = 0; l < c.num_layers; ++l) {
       const Model::Layer& layer = model_->layers()[l];
       for (std::size_t t = 0; t < n; ++t) {
@@ -221,6 +230,7 @@ class Engine {
   kvcache::ThreadPool* pool_;
   std::size_t max_chunk_;
   kvcache::Rope rope_;
+  kvcache::PositionMode positions_ = kvcache::PositionMode::absolute;
   kvcache::DynamicCache<float> scratch_;
   std::vector<float> x_, xb_, qkv_, q_, k_, v_, att_, ffn_, hb_, cos_, sin_, last_, logits_;
 };

@@ -422,6 +422,7 @@ class Sweep {
       // The first row block fetches the rows ahead; later ones find them already coming.
       const std::size_t num_fetch = r0 == 0 ? num_runs : 0;
       Ops::qk(qs_ + r0 * d, sub, krows, nk, d, s_, kTile, fetch, num_fetch);
+      if (mask_.rope != nullptr && cell < mask_.sinks) score_sinks(r0, sub, cover, krows, nk, cell);
       std::uint32_t seen[kSubRows];  // bit j: slot j holds a key row r may see
       for (std::size_t r = 0; r < sub; ++r) {
         float* sr = s_ + r * kTile;
@@ -514,6 +515,27 @@ class Sweep {
       low_min = std::min(low_min, mask.low(rows[r].pos));
     }
     return {mask, pos_max, low_min};
+  }
+
+  // Cache-relative positions (PositionMode::cache_relative): the scores of the tile's sink slots
+  // (positions cell + j < sinks) for each row whose window has moved off the sinks, from its q
+  // turned back by the row's sink_shift. One row at a time, so a row's scores are the same bits
+  // whichever rows share its block.
+  void score_sinks(std::size_t r0, std::size_t sub, const TileCover* cover, const T* const* krows,
+                   std::size_t nk, position_t cell) noexcept {
+    alignas(64) float turned[kMaxHeadDim];
+    alignas(64) float scores[kTile];
+    const auto num_sinks = static_cast<std::size_t>(
+        std::min<position_t>(static_cast<position_t>(nk), mask_.sinks - cell));
+    for (std::size_t r = 0; r < sub; ++r) {
+      const position_t shift = mask_.sink_shift(rows_[r0 + r].pos);
+      if (cover[r] == TileCover::none || shift == 0) continue;
+      const float* q = qs_ + (r0 + r) * d_;
+      std::copy(q, q + d_, turned);
+      mask_.rope->turn(turned, 1, -static_cast<double>(shift));
+      Ops::qk(turned, 1, krows, num_sinks, d_, scores, kTile, nullptr, 0);
+      std::copy(scores, scores + num_sinks, s_ + r * kTile);
+    }
   }
 
   // p.V of a block of `sub` rows over a tile where some row misses some slot (holes, masked
@@ -732,8 +754,7 @@ template <KVView V>
 void run_tasks(Kernel kernel, std::span<const AttentionTask<V>> tasks,
                std::span<const position_t> first_pos, const AttentionOptions& opts) {
   using T = typename V::value_type;
-  const kvcache::detail::Mask mask{opts.causal, static_cast<position_t>(opts.window),
-                                   static_cast<position_t>(opts.num_sink_tokens)};
+  const kvcache::detail::Mask mask = kvcache::detail::Mask::of(opts);
   std::size_t total_work = 0;  // K/V elements swept, to decide whether threads pay off
   for (const auto& t : tasks) {
     total_work += task_items(t) * view_num_tokens(t.view) * t.view.head_dim();

@@ -4,10 +4,12 @@
 // and the argument checks done once at the API boundary.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <optional>
 
+#include "kvcache/attention/rope.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/error.hpp"
 #include "kvcache/core/tensor.hpp"
@@ -15,6 +17,23 @@
 #include "kvcache/core/view.hpp"
 
 namespace kvcache {
+
+/// Which positions q . k sees for the sinks of a sliding window (AttentionOptions::positions).
+enum class PositionMode {
+  /// The positions q and K were rotated at (their absolute positions): a sink at p_k is seen
+  /// from a query at p at distance p - p_k, however far the window has moved.
+  absolute,
+  /// StreamingLLM: positions are taken within the cache, the sinks at 0 .. S - 1 and the
+  /// window right after them. For a query at p whose window starts at lo = max(S, p - W + 1),
+  /// a window key at p_k stays at distance p - p_k, and a sink at p_k is seen at distance
+  /// S + (p - lo) - p_k, as if the window followed the sinks without a gap; so the distances a
+  /// query sees never exceed S + W - 1, and a model trained on that many tokens stays in its
+  /// regime for as long as the sequence grows. q and K are stored rotated at their absolute
+  /// positions as usual (the engine's RoPE, given in AttentionOptions::rope); the kernel turns q
+  /// back by lo - S for the sink keys only (O(head_dim) per query row). Identical to absolute
+  /// without a window or sinks, and while lo == S. Not on the CUDA backend yet (shape_error).
+  cache_relative,
+};
 
 /// Options of an attention call. The defaults give plain causal softmax attention.
 struct AttentionOptions {
@@ -34,6 +53,11 @@ struct AttentionOptions {
   std::optional<position_t> query_pos = std::nullopt;
   /// Executor for the fast CPU kernel (nullptr: run on the calling thread only).
   ThreadPool* pool = nullptr;
+  /// How the sinks' positions enter q . k (see PositionMode).
+  PositionMode positions = PositionMode::absolute;
+  /// The RoPE q and K were rotated with, for head_dim of the call; needed by cache_relative
+  /// positions (borrowed for the call).
+  const Rope* rope = nullptr;
 };
 
 /// One sequence of a batched attention call: queries [n][num_q_heads][head_dim] against one
@@ -55,10 +79,25 @@ struct Mask {
   bool causal = true;
   position_t window = 0;
   position_t sinks = 0;
+  /// Set for PositionMode::cache_relative: the RoPE that turns queries back for the sinks.
+  const Rope* rope = nullptr;
+
+  /// The mask of an attention call's options.
+  [[nodiscard]] static Mask of(const AttentionOptions& opts) noexcept {
+    return {opts.causal, static_cast<position_t>(opts.window),
+            static_cast<position_t>(opts.num_sink_tokens),
+            opts.positions == PositionMode::cache_relative ? opts.rope : nullptr};
+  }
 
   /// Lowest non-sink key position visible to a query at qpos.
   [[nodiscard]] constexpr position_t low(position_t qpos) const noexcept {
     return window == 0 ? 0 : qpos - window + 1;
+  }
+  /// By how many positions a query at qpos is turned back for the sink keys: lo - sinks with
+  /// cache-relative positions (PositionMode), else 0.
+  [[nodiscard]] constexpr position_t sink_shift(position_t qpos) const noexcept {
+    if (rope == nullptr || window == 0 || sinks == 0) return 0;
+    return std::max<position_t>(0, low(qpos) - sinks);
   }
   [[nodiscard]] constexpr bool visible(position_t qpos, position_t pos) const noexcept {
     return !causal || (pos <= qpos && (pos >= low(qpos) || pos < sinks));
@@ -76,6 +115,11 @@ inline void check_options(const AttentionOptions& opts) {
   if (!opts.causal && (opts.window != 0 || opts.num_sink_tokens != 0)) {
     throw shape_error(detail::message("attend: window ", opts.window, " / num_sink_tokens ",
                                       opts.num_sink_tokens, " need causal attention"));
+  }
+  if (opts.positions == PositionMode::cache_relative && opts.rope == nullptr) {
+    throw shape_error(
+        "attend: cache_relative positions need the RoPE q and K were rotated with "
+        "(AttentionOptions::rope)");
   }
 }
 
@@ -147,6 +191,11 @@ position_t check_attention(const TokenBlock<const float>& q, const V& view,
                                       q.num_tokens, "][", q.num_heads, "][", q.head_dim, "]"));
   }
   check_options(opts);
+  if (opts.positions == PositionMode::cache_relative && opts.rope->head_dim() != q.head_dim) {
+    throw shape_error(detail::message("attend: cache_relative positions with a RoPE for head_dim ",
+                                      opts.rope->head_dim(), " but the queries have head_dim ",
+                                      q.head_dim));
+  }
   return check_query_positions(static_cast<position_t>(q.num_tokens), query_pos, view.length(),
                                view.sink_end(), view.recent_begin(), opts);
 }

@@ -20,10 +20,11 @@ namespace kvcache::reference {
 /// key i (position k_pos[i]) that the options' mask allows, with a numerically stable softmax
 /// computed in double. Query head h uses KV head h / (num_q_heads / num_kv_heads).
 /// Shapes: q, out [n][num_q_heads][head_dim]; k, v [num_keys][num_kv_heads][head_dim].
-/// Non-finite inputs, as kvcache::attend: a query that sees no key gets a zero output (whatever
-/// its q holds); else, if its q, or the K or V row of any key it sees, holds an inf or NaN, its
-/// whole output row is NaN; inf and NaN in keys it does not see change nothing.
-/// O(n * num_keys * num_q_heads * head_dim).
+/// With PositionMode::cache_relative (opts.rope set), a sink key is scored against q turned back
+/// by the query's sink_shift (see PositionMode). Non-finite inputs, as kvcache::attend: a query
+/// that sees no key gets a zero output (whatever its q holds); else, if its q, or the K or V row of
+/// any key it sees, holds an inf or NaN, its whole output row is NaN; inf and NaN in keys it does
+/// not see change nothing. O(n * num_keys * num_q_heads * head_dim).
 /// @throws shape_error when shapes disagree.
 inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> q_pos,
                          TokenBlock<const float> k, TokenBlock<const float> v,
@@ -43,14 +44,25 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
   const std::size_t d = q.head_dim;
   const std::size_t group = q.num_heads / k.num_heads;
   const double scale = opts.scale > 0.0f ? opts.scale : 1.0 / std::sqrt(static_cast<double>(d));
-  const detail::Mask mask{opts.causal, static_cast<position_t>(opts.window),
-                          static_cast<position_t>(opts.num_sink_tokens)};
+  const detail::Mask mask = detail::Mask::of(opts);
+  if (mask.rope != nullptr && mask.rope->head_dim() != d) {
+    throw shape_error(
+        detail::message("reference::attend_dense: cache_relative positions with a "
+                        "RoPE for head_dim ",
+                        mask.rope->head_dim(), " but head_dim ", d));
+  }
   std::vector<double> scores(k.num_tokens);
   std::vector<double> acc(d);
+  std::vector<float> turned(d);  // q turned back for the sinks (cache-relative positions)
   for (std::size_t t = 0; t < q.num_tokens; ++t) {
+    const position_t shift = mask.sink_shift(q_pos[t]);
     for (std::size_t h = 0; h < q.num_heads; ++h) {
       const std::size_t kvh = h / group;
-      const float* qr = q.row(t, h);
+      const float* q_window = q.row(t, h);
+      if (shift != 0) {
+        std::copy(q_window, q_window + d, turned.begin());
+        mask.rope->turn(turned.data(), 1, -static_cast<double>(shift));
+      }
       double max_score = -std::numeric_limits<double>::infinity();
       bool bad = false;  // q, or a seen key's K or V row, holds an inf or NaN
       for (std::size_t i = 0; i < k.num_tokens; ++i) {
@@ -60,6 +72,7 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
         }
         const float* kr = k.row(i, kvh);
         const float* vr = v.row(i, kvh);
+        const float* qr = shift != 0 && k_pos[i] < mask.sinks ? turned.data() : q_window;
         double s = 0.0;
         for (std::size_t j = 0; j < d; ++j) {
           s += static_cast<double>(qr[j]) * kr[j];

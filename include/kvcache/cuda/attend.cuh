@@ -40,7 +40,14 @@ struct DeviceAttendArgs {
 
 namespace detail {
 
+// The device kernels' mask. @throws shape_error for what they do not do yet (cache-relative
+// positions).
 inline DeviceMask device_mask(const AttentionOptions& opts) {
+  if (opts.positions == PositionMode::cache_relative) {
+    throw shape_error(
+        "cuda attention: cache_relative positions are not on the CUDA backend yet (use the CPU "
+        "kernel, or PositionMode::absolute)");
+  }
   return DeviceMask{opts.causal, static_cast<std::int64_t>(opts.window),
                     static_cast<std::int64_t>(opts.num_sink_tokens)};
 }
