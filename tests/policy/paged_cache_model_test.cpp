@@ -411,6 +411,23 @@ void check_all(const Cache& cache, const Model& model, std::size_t batch, bool c
   REQUIRE(problem.empty());
 }
 
+// `op` throws pool_exhausted_error with the model's numbers and changes nothing.
+template <class Cache, class Op>
+void require_exhausted(const Cache& cache, const Model::Need& need, Op&& op) {
+  const auto before = kvcache::test::paged_state(cache);
+  bool thrown = false;
+  try {
+    op();
+  } catch (const pool_exhausted_error& e) {
+    thrown = true;
+    REQUIRE(e.needed() == need.needed);
+    REQUIRE(e.free() == need.free);
+    REQUIRE(e.evictable() == need.cached);
+  }
+  REQUIRE(thrown);
+  REQUIRE(kvcache::test::paged_state(cache) == before);
+}
+
 template <Element T>
 void run_model_seed(const Params& p, const std::string& name) {
   auto rng = kvcache::test::make_rng(name);
@@ -499,18 +516,7 @@ void run_model_seed(const Params& p, const std::string& name) {
         }
         const auto need = model.need_for_append(s, layer, n);
         if (need.fails) {
-          const auto before = kvcache::test::paged_state(cache);
-          bool thrown = false;
-          try {
-            do_append();
-          } catch (const pool_exhausted_error& e) {
-            thrown = true;
-            REQUIRE(e.needed() == need.needed);
-            REQUIRE(e.free() == need.free);
-            REQUIRE(e.evictable() == need.cached);
-          }
-          REQUIRE(thrown);
-          REQUIRE(kvcache::test::paged_state(cache) == before);
+          require_exhausted(cache, need, do_append);
           ++done["pool exhausted"];
           break;
         }
@@ -569,18 +575,9 @@ void run_model_seed(const Params& p, const std::string& name) {
       const auto saved = model.seq(s);
       const auto need = model.need_for_restore(dst, saved);
       if (need.fails) {
-        const auto before = kvcache::test::paged_state(cache);
-        bool thrown = false;
-        try {
+        require_exhausted(cache, need, [&] {
           load_snapshot_bytes(bytes, cache, kSnapshotModel, {.dest_seqs = to});
-        } catch (const pool_exhausted_error& e) {
-          thrown = true;
-          REQUIRE(e.needed() == need.needed);
-          REQUIRE(e.free() == need.free);
-          REQUIRE(e.evictable() == need.cached);
-        }
-        REQUIRE(thrown);
-        REQUIRE(kvcache::test::paged_state(cache) == before);
+        });
         ++done["restore pool exhausted"];
       } else {
         const std::size_t evictions = model.evictions;
