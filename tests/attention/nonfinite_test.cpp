@@ -9,6 +9,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvcache/kvcache.hpp"
@@ -246,23 +247,25 @@ TEST_CASE(
                   kernel);
       outs.push_back(out);
     }
-    return std::pair{cache.view(0, 0).segment(0), outs};
+    // What the cache stores for element 4 of key 38, KV head 1 (read while the cache lives).
+    const auto seg = cache.view(0, 0).segment(0);
+    const std::size_t slot = seg.head_stride + 38 * dim + 4;
+    return std::tuple{static_cast<float>(seg.k[slot]), static_cast<float>(seg.v[slot]), outs};
   };
   // Key 38 of KV head 1: seen by query tokens 1 and 2 (positions 38, 39), not by token 0.
   const std::size_t at = (38 * heads + 1) * dim + 4;
   for (const AttentionOptions& opts :
        {AttentionOptions{}, AttentionOptions{.scale = 0.5f, .softcap = 3.0f}}) {
     INFO("softcap " << opts.softcap);
-    const auto base = attend_all(k, v, opts).second;
+    const auto base = std::get<2>(attend_all(k, v, opts));
     for (float big : {70000.0f, 65520.0f, -1e30f}) {
       auto kk = k, vv = v;
       for (int side = 0; side < 2; ++side) {
         (side == 0 ? kk : vv)[at] = big;
-        const auto [seg, outs] = attend_all(kk, vv, opts);
-        const half* stored = (side == 0 ? seg.k : seg.v) + seg.head_stride + 38 * dim + 4;
-        INFO((side == 0 ? "K" : "V")
-             << " element " << big << " stored as " << static_cast<float>(*stored));
-        REQUIRE(static_cast<float>(*stored) == std::copysign(kInf, big));
+        const auto [stored_k, stored_v, outs] = attend_all(kk, vv, opts);
+        const float stored = side == 0 ? stored_k : stored_v;
+        INFO((side == 0 ? "K" : "V") << " element " << big << " stored as " << stored);
+        REQUIRE(stored == std::copysign(kInf, big));
         for (std::size_t i = 0; i < outs.size(); ++i) {
           require_rows_for(outs[i], base[i], queries, heads, dim,
                            [](std::size_t t, std::size_t h) { return h == 1 && t >= 1; });
@@ -273,8 +276,8 @@ TEST_CASE(
     // 65519 rounds down to the largest half, 65504: finite, every row finite.
     auto kk = k;
     kk[at] = 65519.0f;
-    const auto [seg, outs] = attend_all(kk, v, opts);
-    REQUIRE(static_cast<float>(seg.k[seg.head_stride + 38 * dim + 4]) == 65504.0f);
+    const auto [stored_k, stored_v, outs] = attend_all(kk, v, opts);
+    REQUIRE(stored_k == 65504.0f);
     for (const auto& out : outs) {
       for (float x : out) REQUIRE(std::isfinite(x));
     }
