@@ -144,8 +144,8 @@ struct VisibleRange {
   position_t skip_to = 0;   // keys in [sink_end, skip_to) are skipped (the rows' lowest window
                             // start, rounded down to a whole tile)
 
-  VisibleRange(const kvcache::detail::Mask& mask, position_t pos_max, position_t low_min) noexcept
-      : causal(mask.causal), pos_max(pos_max) {
+  VisibleRange(const kvcache::detail::Mask& mask, position_t max_pos, position_t low_min) noexcept
+      : causal(mask.causal), pos_max(max_pos) {
     constexpr auto tile = static_cast<position_t>(kTile);
     sink_end = (mask.sinks + tile - 1) / tile * tile;
     skip_to = low_min > 0 ? low_min / tile * tile : 0;

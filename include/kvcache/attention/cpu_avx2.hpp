@@ -19,19 +19,19 @@ struct Prefetch {
   std::size_t bytes = 0;
 };
 
-/// Calls f(std::integral_constant<int, R>{}) with R = min(rows, 4): the SIMD micro-kernels are
-/// instantiated for 1..4 query rows. @pre rows >= 1.
+/// Calls f(std::integral_constant<std::size_t, R>{}) with R = min(rows, 4): the SIMD micro-kernels
+/// are instantiated for 1..4 query rows. @pre rows >= 1.
 template <class F>
 inline void with_rows(std::size_t rows, F&& f) {
   switch (rows) {
     case 1:
-      return f(std::integral_constant<int, 1>{});
+      return f(std::integral_constant<std::size_t, 1>{});
     case 2:
-      return f(std::integral_constant<int, 2>{});
+      return f(std::integral_constant<std::size_t, 2>{});
     case 3:
-      return f(std::integral_constant<int, 3>{});
+      return f(std::integral_constant<std::size_t, 3>{});
     default:
-      return f(std::integral_constant<int, 4>{});
+      return f(std::integral_constant<std::size_t, 4>{});
   }
 }
 
@@ -158,29 +158,29 @@ KVCACHE_TARGET_AVX2 inline __m128 hsum4x8(const __m256* a) noexcept {
 
 /// s[r * stride + a] = q_r . k[a] for R query rows (each head_dim floats, rows d apart) and J
 /// key rows: R x J accumulators, each q load shared by the J keys.
-template <Element T, int R, int J>
+template <Element T, std::size_t R, std::size_t J>
 KVCACHE_TARGET_AVX2 inline void qk_block(const float* q, const T* const* k, std::size_t d, float* s,
                                          std::size_t stride) noexcept {
   __m256 acc[J][R];
 #pragma GCC unroll 3
-  for (int a = 0; a < J; ++a) {
+  for (std::size_t a = 0; a < J; ++a) {
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_ps();
+    for (std::size_t r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_ps();
   }
   for (std::size_t x = 0; x < d; x += 8) {
     __m256 kx[J];
 #pragma GCC unroll 3
-    for (int a = 0; a < J; ++a) kx[a] = load8(k[a] + x);
+    for (std::size_t a = 0; a < J; ++a) kx[a] = load8(k[a] + x);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
+    for (std::size_t r = 0; r < R; ++r) {
       const __m256 qv = _mm256_loadu_ps(q + r * d + x);
 #pragma GCC unroll 3
-      for (int a = 0; a < J; ++a) acc[a][r] = _mm256_fmadd_ps(qv, kx[a], acc[a][r]);
+      for (std::size_t a = 0; a < J; ++a) acc[a][r] = _mm256_fmadd_ps(qv, kx[a], acc[a][r]);
     }
   }
   if constexpr (R == 4) {
 #pragma GCC unroll 3
-    for (int a = 0; a < J; ++a) {
+    for (std::size_t a = 0; a < J; ++a) {
       const __m128 sums = hsum4x8(acc[a]);  // lane r: row r
       s[a] = _mm_cvtss_f32(sums);
       s[stride + a] = _mm_cvtss_f32(_mm_movehdup_ps(sums));
@@ -189,9 +189,9 @@ KVCACHE_TARGET_AVX2 inline void qk_block(const float* q, const T* const* k, std:
     }
   } else {
 #pragma GCC unroll 3
-    for (int a = 0; a < J; ++a) {
+    for (std::size_t a = 0; a < J; ++a) {
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) s[r * stride + a] = hsum(acc[a][r]);
+      for (std::size_t r = 0; r < R; ++r) s[r * stride + a] = hsum(acc[a][r]);
     }
   }
 }
@@ -205,7 +205,7 @@ KVCACHE_TARGET_AVX2 inline void qk_block(const float* q, const T* const* k, std:
 /// fit in L1 beside the working rows, and L1 prefetches tie up its few miss buffers (Zen 4, half
 /// K/V, 16k-token decode on one thread: 8.4 GB/s with prefetcht0 two tiles ahead, 13 GB/s with
 /// prefetcht1 four tiles ahead; Zen 5 does best with prefetcht1 two tiles ahead, kPrefetchTiles).
-template <Element T, int R>
+template <Element T, std::size_t R>
 KVCACHE_TARGET_AVX2 void qk_rows(const float* q, const T* const* k, std::size_t nk, std::size_t d,
                                  float* s, std::size_t stride, FetchLines ahead) noexcept {
   // Triples, then pairs: a remainder of one key (its 4 accumulators leave the FMA chains idle)
@@ -228,7 +228,7 @@ KVCACHE_TARGET_AVX2 void qk_rows(const float* q, const T* const* k, std::size_t 
 /// whole tile. The V side of `ahead` is prefetched into L2 one line per value row visited: issued
 /// in bursts beside K in qk_rows, a tile's worth of prefetches stalls on the miss buffers (float
 /// K/V, 16k tokens, one thread: 8.4 GB/s that way, ~20 GB/s spread over this loop).
-template <Element T, int R>
+template <Element T, std::size_t R>
 KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* const* v,
                                  std::size_t nk, std::size_t d, float* acc,
                                  FetchLines ahead) noexcept {
@@ -236,7 +236,7 @@ KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* co
   for (; x + 16 <= d; x += 16) {
     __m256 a0[R], a1[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
+    for (std::size_t r = 0; r < R; ++r) {
       a0[r] = _mm256_loadu_ps(acc + r * d + x);
       a1[r] = _mm256_loadu_ps(acc + r * d + x + 8);
     }
@@ -245,14 +245,14 @@ KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* co
       const __m256 v0 = load8(v[j] + x);
       const __m256 v1 = load8(v[j] + x + 8);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
+      for (std::size_t r = 0; r < R; ++r) {
         const __m256 pr = _mm256_broadcast_ss(p + r * stride + j);
         a0[r] = _mm256_fmadd_ps(pr, v0, a0[r]);
         a1[r] = _mm256_fmadd_ps(pr, v1, a1[r]);
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
+    for (std::size_t r = 0; r < R; ++r) {
       _mm256_storeu_ps(acc + r * d + x, a0[r]);
       _mm256_storeu_ps(acc + r * d + x + 8, a1[r]);
     }
@@ -260,16 +260,16 @@ KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* co
   if (x < d) {  // d % 16 == 8
     __m256 a0[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) a0[r] = _mm256_loadu_ps(acc + r * d + x);
+    for (std::size_t r = 0; r < R; ++r) a0[r] = _mm256_loadu_ps(acc + r * d + x);
     for (std::size_t j = 0; j < nk; ++j) {
       const __m256 v0 = load8(v[j] + x);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
+      for (std::size_t r = 0; r < R; ++r) {
         a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * stride + j), v0, a0[r]);
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + x, a0[r]);
+    for (std::size_t r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * d + x, a0[r]);
   }
   ahead.fetch_rest();  // more lines than rows visited
 }

@@ -67,13 +67,13 @@ KVCACHE_TARGET_AVX512 inline __m256 fold16(__m512 v) noexcept {
 KVCACHE_TARGET_AVX512 inline __m512 sum16x16(const __m512* v) noexcept {
   __m512 pairs[8];  // block k of pairs[i]: l0 + l2, l1 + l3 of v[2i] and v[2i + 1], interleaved
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
+  for (std::size_t i = 0; i < 8; ++i) {
     pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
                              _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   }
   __m512 quads[4];  // block k of quads[i]: the block-k sums of v[4i .. 4i + 3]
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
+  for (std::size_t i = 0; i < 4; ++i) {
     const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
     quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
                              _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
@@ -81,7 +81,7 @@ KVCACHE_TARGET_AVX512 inline __m512 sum16x16(const __m512* v) noexcept {
   // Blocks (0 + 1) and (2 + 3): halves[0] holds v[0..7], halves[1] v[8..15], a pair of blocks each.
   __m512 halves[2];
 #pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i) {
+  for (std::size_t i = 0; i < 2; ++i) {
     halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
                               _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
   }
@@ -94,7 +94,7 @@ KVCACHE_TARGET_AVX512 inline __m512 exp16_nonpositive(__m512 x) noexcept {
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  fx = _mm512_floor_ps(fx);
   x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
   x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
   __m512 y = _mm512_set1_ps(1.9875691500e-4f);
@@ -115,45 +115,46 @@ KVCACHE_TARGET_AVX512 inline __mmask16 first_lanes(std::size_t n) noexcept {
 }
 
 /// s[r * stride + a] = q_r . k[a] for R query rows and J key rows (as qk_block, 16 lanes).
-template <Element T, int R, int J>
+template <Element T, std::size_t R, std::size_t J>
 KVCACHE_TARGET_AVX512 inline void qk_block16(const float* q, const T* const* k, std::size_t d,
                                              float* s, std::size_t stride) noexcept {
   __m512 acc[J][R];
 #pragma GCC unroll 4
-  for (int a = 0; a < J; ++a) {
+  for (std::size_t a = 0; a < J; ++a) {
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[a][r] = _mm512_setzero_ps();
+    for (std::size_t r = 0; r < R; ++r) acc[a][r] = _mm512_setzero_ps();
   }
   for (std::size_t x = 0; x < d; x += 16) {
     __m512 kx[J];
 #pragma GCC unroll 4
-    for (int a = 0; a < J; ++a) kx[a] = load16(k[a] + x);
+    for (std::size_t a = 0; a < J; ++a) kx[a] = load16(k[a] + x);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
+    for (std::size_t r = 0; r < R; ++r) {
       const __m512 qv = _mm512_loadu_ps(q + r * d + x);
 #pragma GCC unroll 4
-      for (int a = 0; a < J; ++a) acc[a][r] = _mm512_fmadd_ps(qv, kx[a], acc[a][r]);
+      for (std::size_t a = 0; a < J; ++a) acc[a][r] = _mm512_fmadd_ps(qv, kx[a], acc[a][r]);
     }
   }
   // Row r's scores are lanes 4r .. 4r + 3 of the sums; blocks shorter than 4 x 4 add zeros.
   __m512 all[16];
 #pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r) {
+  for (std::size_t r = 0; r < 4; ++r) {
 #pragma GCC unroll 4
-    for (int a = 0; a < 4; ++a) all[4 * r + a] = r < R && a < J ? acc[a][r] : _mm512_setzero_ps();
+    for (std::size_t a = 0; a < 4; ++a)
+      all[4 * r + a] = r < R && a < J ? acc[a][r] : _mm512_setzero_ps();
   }
   alignas(64) float sums[16];
   _mm512_store_ps(sums, sum16x16(all));
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
+  for (std::size_t r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int a = 0; a < J; ++a) s[r * stride + a] = sums[4 * r + a];
+    for (std::size_t a = 0; a < J; ++a) s[r * stride + a] = sums[4 * r + a];
   }
 }
 
 /// qk_rows at 16 lanes: four keys a block (16 accumulators for 4 rows, half the register file),
 /// then the remainder as one block; K prefetched into L2 over the blocks.
-template <Element T, int R>
+template <Element T, std::size_t R>
 KVCACHE_TARGET_AVX512 void qk_rows16(const float* q, const T* const* k, std::size_t nk,
                                      std::size_t d, float* s, std::size_t stride,
                                      FetchLines ahead) noexcept {
@@ -180,38 +181,38 @@ KVCACHE_TARGET_AVX512 void qk_rows16(const float* q, const T* const* k, std::siz
 /// acc_r[x0, x0 + 16C) += sum_j p[r * stride + j] * v[j][x0, x0 + 16C) for R rows: R x C
 /// accumulators held across the whole tile. The V side of `ahead` is prefetched one line per value
 /// row visited, as in pv_rows.
-template <Element T, int R, int C>
+template <Element T, std::size_t R, std::size_t C>
 KVCACHE_TARGET_AVX512 inline void pv_columns16(const float* p, std::size_t stride,
                                                const T* const* v, std::size_t nk, std::size_t d,
                                                std::size_t x0, float* acc,
                                                FetchLines& ahead) noexcept {
   __m512 a[R][C];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
+  for (std::size_t r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * d + x0 + 16 * c);
+    for (std::size_t c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * d + x0 + 16 * c);
   }
   for (std::size_t j = 0; j < nk; ++j) {
     ahead.fetch(1);
     __m512 vx[C];
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) vx[c] = load16(v[j] + x0 + 16 * c);
+    for (std::size_t c = 0; c < C; ++c) vx[c] = load16(v[j] + x0 + 16 * c);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
+    for (std::size_t r = 0; r < R; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r * stride + j]);
 #pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pr, vx[c], a[r][c]);
+      for (std::size_t c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pr, vx[c], a[r][c]);
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
+  for (std::size_t r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * d + x0 + 16 * c, a[r][c]);
+    for (std::size_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * d + x0 + 16 * c, a[r][c]);
   }
 }
 
 /// pv_rows at 16 lanes: 64 columns a pass, then the last 16, 32 or 48.
-template <Element T, int R>
+template <Element T, std::size_t R>
 KVCACHE_TARGET_AVX512 void pv_rows16(const float* p, std::size_t stride, const T* const* v,
                                      std::size_t nk, std::size_t d, float* acc,
                                      FetchLines ahead) noexcept {

@@ -43,7 +43,8 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
   }
   const std::size_t d = q.head_dim;
   const std::size_t group = q.num_heads / k.num_heads;
-  const double scale = opts.scale > 0.0f ? opts.scale : 1.0 / std::sqrt(static_cast<double>(d));
+  const double scale =
+      opts.scale > 0.0f ? static_cast<double>(opts.scale) : 1.0 / std::sqrt(static_cast<double>(d));
   const detail::Mask mask = detail::Mask::of(opts);
   if (mask.rope != nullptr && mask.rope->head_dim() != d) {
     throw shape_error(
@@ -75,12 +76,15 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
         const float* qr = shift != 0 && k_pos[i] < mask.sinks ? turned.data() : q_window;
         double s = 0.0;
         for (std::size_t j = 0; j < d; ++j) {
-          s += static_cast<double>(qr[j]) * kr[j];
+          s += static_cast<double>(qr[j]) * static_cast<double>(kr[j]);
           bad = bad || !std::isfinite(qr[j]) || !std::isfinite(kr[j]) || !std::isfinite(vr[j]);
         }
         if (bad) break;  // the output is NaN whatever the other keys hold
         s *= scale;
-        if (opts.softcap > 0.0f) s = opts.softcap * std::tanh(s / opts.softcap);
+        if (opts.softcap > 0.0f) {
+          const auto cap = static_cast<double>(opts.softcap);
+          s = cap * std::tanh(s / cap);
+        }
         scores[i] = s;
         max_score = std::max(max_score, s);
       }
@@ -92,7 +96,7 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
           const double p = std::exp(scores[i] - max_score);
           sum += p;
           const float* vr = v.row(i, kvh);
-          for (std::size_t j = 0; j < d; ++j) acc[j] += p * vr[j];
+          for (std::size_t j = 0; j < d; ++j) acc[j] += p * static_cast<double>(vr[j]);
         }
       }
       float* o = out.row(t, h);
