@@ -129,14 +129,7 @@ class Rope {
   /// be negative. What re-rotates keys (context shift) and turns queries back for cache-relative
   /// positions. Allocates nothing. O(num_heads * rotary_dims).
   void turn(float* x, std::size_t num_heads, double delta) const noexcept {
-    constexpr std::size_t kChunk = 64;  // pairs whose cos and sin sit on the stack at a time
-    float cs[kChunk], sn[kChunk];
-    const std::size_t pairs = inv_freq_.size();
-    for (std::size_t i0 = 0; i0 < pairs; i0 += kChunk) {
-      const std::size_t m = std::min(kChunk, pairs - i0);
-      fill_angles(delta, i0, m, cs, sn, 1.0f);
-      rotate_pairs(x, num_heads, i0, m, cs, sn);
-    }
+    rotate_by(x, num_heads, delta, 1.0f);
   }
 
   /// Rotates every token t of x ([n][num_heads][head_dim]) to position first_pos + t, in place.
@@ -147,17 +140,9 @@ class Rope {
       throw shape_error(
           detail::message("Rope: head_dim ", x.head_dim, " but the RoPE is for ", head_dim_));
     }
-    constexpr std::size_t kChunk = 64;  // pairs whose cos and sin sit on the stack at a time
-    float cs[kChunk], sn[kChunk];
-    const std::size_t pairs = inv_freq_.size();
     for (std::size_t t = 0; t < x.num_tokens; ++t) {
-      const double pos = static_cast<double>(first_pos + static_cast<position_t>(t));
-      float* row = x.data.data() + t * x.num_heads * head_dim_;
-      for (std::size_t i0 = 0; i0 < pairs; i0 += kChunk) {
-        const std::size_t m = std::min(kChunk, pairs - i0);
-        fill_angles(pos, i0, m, cs, sn, magnitude_);
-        rotate_pairs(row, x.num_heads, i0, m, cs, sn);
-      }
+      rotate_by(x.data.data() + t * x.num_heads * head_dim_, x.num_heads,
+                static_cast<double>(first_pos + static_cast<position_t>(t)), magnitude_);
     }
   }
 
@@ -231,6 +216,19 @@ class Rope {
         break;
     }
     return theta;
+  }
+
+  // Rotates num_heads heads at x by the angles of position `pos`, cos and sin times
+  // `magnitude`, computing them a stack-sized chunk of pairs at a time (no allocation).
+  void rotate_by(float* x, std::size_t num_heads, double pos, float magnitude) const noexcept {
+    constexpr std::size_t kChunk = 64;
+    float cs[kChunk], sn[kChunk];
+    const std::size_t pairs = inv_freq_.size();
+    for (std::size_t i0 = 0; i0 < pairs; i0 += kChunk) {
+      const std::size_t m = std::min(kChunk, pairs - i0);
+      fill_angles(pos, i0, m, cs, sn, magnitude);
+      rotate_pairs(x, num_heads, i0, m, cs, sn);
+    }
   }
 
   // angles() of pairs [first, first + m) only, into cs[0..m) and sn[0..m), times `magnitude`.

@@ -830,11 +830,7 @@ class PagedCache {
     }
     for (std::size_t q = 0; q < max_batch_; ++q) {
       const Sequence& s = seqs_[q];
-      std::size_t longest = 0, shortest = max_seq_len_;
-      for (std::size_t l = 0; l < shape_.num_layers; ++l) {
-        longest = std::max(longest, lengths_[q * shape_.num_layers + l]);
-        shortest = std::min(shortest, lengths_[q * shape_.num_layers + l]);
-      }
+      const auto [shortest, longest] = extent(q);
       if (s.num_blocks != (longest + block_size_ - 1) / block_size_) {
         return message("sequence ", q, " holds ", s.num_blocks, " blocks for ", longest, " tokens");
       }
@@ -1208,11 +1204,7 @@ class PagedCache {
   void commit(std::size_t seq) noexcept {
     if (!prefix_caching_) return;
     Sequence& s = seqs_[seq];
-    std::size_t shortest = s.num_tokens;
-    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
-      shortest = std::min(shortest, lengths_[seq * shape_.num_layers + l]);
-    }
-    const std::size_t full = shortest / block_size_;
+    const std::size_t full = std::min(s.num_tokens, extent(seq).shortest) / block_size_;
     if (full <= s.committed) return;
     block_id* table = table_of(seq);
     const token_id* ids = table_tokens(seq);
