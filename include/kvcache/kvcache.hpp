@@ -19,6 +19,7 @@
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/thread_pool.hpp"
 #include "kvcache/core/view.hpp"
+#include "kvcache/policy/context_shift.hpp"
 #include "kvcache/policy/dynamic_cache.hpp"
 #include "kvcache/policy/paged_cache.hpp"
 #include "kvcache/policy/sliding_window_cache.hpp"

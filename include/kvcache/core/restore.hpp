@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -39,10 +40,15 @@ struct LayerRestore {
   }
 };
 
-/// The token ids one sequence of a TokenTrackedCache is to hold after a restore.
+/// The token ids one sequence of a TokenTrackedCache or PagedCache is to hold after a restore.
 struct SequenceTokens {
   std::size_t seq = 0;
   std::span<const token_id> ids;
+  /// How many leading positions hold K/V computed from exactly their ids (what a prompt of those
+  /// ids would compute): all (SIZE_MAX, the default), unless a context shift moved the tokens
+  /// after its n_keep, whose K/V still carries the context it dropped. A PagedCache shares and
+  /// indexes no block past it (PagedCache::exact_prefix()); a TokenTrackedCache ignores it.
+  std::size_t exact_prefix = std::numeric_limits<std::size_t>::max();
 };
 
 namespace detail {

@@ -340,6 +340,7 @@ struct SavePlan {
     std::size_t seq;
     std::vector<snapshot_format::LayerState> layers;
     std::span<const token_id> tokens;
+    std::size_t exact_prefix = std::numeric_limits<std::size_t>::max();
   };
   std::vector<Seq> seqs;
   std::vector<std::uint64_t> section_sizes;  // in file order
@@ -369,6 +370,9 @@ struct SavePlan {
       if constexpr (SnapshotTraits<C>::kTracksTokens) {
         s.tokens = SnapshotTraits<C>::tokens(cache, ids[i]);
       }
+      if constexpr (requires { cache.exact_prefix(ids[i]); }) {
+        s.exact_prefix = cache.exact_prefix(ids[i]);
+      }
       s.layers.reserve(shape.num_layers);
       for (std::size_t l = 0; l < shape.num_layers; ++l) {
         const auto view = cache.view(l, ids[i]);
@@ -376,6 +380,7 @@ struct SavePlan {
       }
       section_sizes.push_back(kSequenceFixedBytes + kLayerStateBytes * shape.num_layers +
                               sizeof(token_id) * s.tokens.size());
+      if (s.exact_prefix < s.tokens.size()) section_sizes.push_back(kExactPrefixBytes);
       for (const LayerState& st : s.layers) {
         section_sizes.push_back(kLayerKvHeaderBytes + 2 * st.held() * row_bytes);
       }
@@ -471,6 +476,13 @@ void write_snapshot(Sink& sink, const C& cache, const ModelId& model_id, const S
     }
     emit(as_bytes_of(s.tokens.data(), s.tokens.size()));
     end_section(SectionKind::sequence);
+    if (s.exact_prefix < s.tokens.size()) {
+      begin_section();
+      std::array<std::byte, kExactPrefixBytes> exact{};
+      put(std::span<std::byte>(exact), 0, std::uint64_t{s.exact_prefix});
+      emit(exact);
+      end_section(SectionKind::exact_prefix);
+    }
     for (std::size_t l = 0; l < shape.num_layers; ++l) {
       begin_section();
       std::array<std::byte, kLayerKvHeaderBytes> kv{};
@@ -631,7 +643,10 @@ SnapshotInfo load_aligned(std::span<const std::byte> bytes, C& cache, const Mode
       ids[i].resize(s.num_token_ids);
       copy_bytes(ids[i].data(), bytes.data() + s.token_ids_offset,
                  s.num_token_ids * sizeof(token_id));
-      tokens.push_back({dest[i], ids[i]});
+      tokens.push_back({.seq = dest[i],
+                        .ids = ids[i],
+                        .exact_prefix = static_cast<std::size_t>(
+                            std::min<std::uint64_t>(s.exact_prefix, s.num_token_ids))});
     }
   }
   SnapshotInfo info = make_info(p, bytes);

@@ -54,11 +54,12 @@ static_assert(std::endian::native == std::endian::little,
 /// of 64 after the table, section i + 1 at the first multiple of 64 at or after the end of
 /// section i, the padding in between is zero, and the last payload ends at file_bytes.
 ///
-/// Section order: META first; then for each saved sequence its SEQUENCE section followed by
-/// num_layers LAYER_KV sections in layer order. Optional sections may appear anywhere after META.
-/// Every policy, the paged cache (policy 4) included, uses exactly these sections: a paged
-/// snapshot stores each sequence's positions and token ids, not the pool's block layout, which
-/// the loader rebuilds in the destination's pool. Kinds 4 and 5 stay reserved.
+/// Section order: META first; then for each saved sequence its SEQUENCE section, its
+/// EXACT_PREFIX section if it has one, and num_layers LAYER_KV sections in layer order. Optional
+/// sections may appear anywhere after META. Every policy, the paged cache (policy 4) included, uses
+/// exactly these sections: a paged snapshot stores each sequence's positions and token ids, not the
+/// pool's block layout, which the loader rebuilds in the destination's pool. Kinds 4 and 5 stay
+/// reserved.
 ///
 /// META payload, 192 bytes: the shape fingerprint and the model identity.
 ///     0    4  policy           SnapshotPolicy: 1 StaticCache, 2 DynamicCache,
@@ -99,6 +100,14 @@ static_assert(std::endian::native == std::endian::little,
 ///             num_sink_tokens <= recent_begin and length - recent_begin <= window +
 ///             max_append_len - 1 (the ring).
 ///   ...       num_token_ids token ids, i32 each, in position order
+///
+/// EXACT_PREFIX payload (kind 6, required), 8 bytes, only for a PagedCache sequence that a
+/// context shift moved (PagedCache::exact_prefix() below its number of ids); files without a
+/// shifted sequence have none and read the same as before this kind existed:
+///     0    8  exact_prefix     < num_token_ids: only the K/V of the first exact_prefix
+///                              positions follows from their ids; the loader shares and indexes
+///                              no block past it. A reader that does not know kind 6 refuses the
+///                              file (the kind is required) rather than share moved K/V.
 ///
 /// LAYER_KV payload, 64 + 2 * num_kv_heads * held * head_dim * dtype_bytes bytes:
 ///     0    8  sequence_record  0-based index of the SEQUENCE section this layer belongs to
@@ -158,6 +167,7 @@ inline constexpr std::size_t kMetaBytes = 192;
 inline constexpr std::size_t kSequenceFixedBytes = 16;
 inline constexpr std::size_t kLayerStateBytes = 24;
 inline constexpr std::size_t kLayerKvHeaderBytes = 64;
+inline constexpr std::size_t kExactPrefixBytes = 8;
 inline constexpr std::size_t kModelIdMaxBytes = 64;
 inline constexpr std::uint32_t kFlagOptional = 1;
 inline constexpr std::uint32_t kMetaFlagTokenIds = 1;
@@ -186,6 +196,7 @@ enum class SectionKind : std::uint32_t {
   meta = 1,
   sequence = 2,
   layer_kv = 3,
+  exact_prefix = 6,
   // 4, 5: reserved (e.g. a dump of a paged cache's block pool and prefix index); a paged
   // snapshot (policy 4) needs neither.
 };
@@ -230,7 +241,9 @@ struct Sequence {
   std::uint64_t seq = 0;
   std::vector<LayerState> layers;
   std::uint64_t num_token_ids = 0;
-  std::uint64_t token_ids_offset = 0;    // file offset of the first i32 id
+  std::uint64_t token_ids_offset = 0;  // file offset of the first i32 id
+  /// From an EXACT_PREFIX section; UINT64_MAX (all) without one.
+  std::uint64_t exact_prefix = std::numeric_limits<std::uint64_t>::max();
   std::vector<std::uint64_t> kv_offset;  // per layer: file offset of K (V follows K)
 
   /// File offset of layer l's 24-byte state.
@@ -596,6 +609,23 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
                                     st.length, " positions");
       }
       seq.layers[l] = st;
+    }
+    if (next < sections.size() && sections[next].kind == SectionKind::exact_prefix) {
+      const Section& es = sections[next++];
+      if (!is_paged) {
+        fail<snapshot_format_error>(name, es.offset, "EXACT_PREFIX section in a snapshot of a ",
+                                    snapshot_policy_name(out.policy), ", which has none");
+      }
+      if (es.size != kExactPrefixBytes) {
+        fail<snapshot_format_error>(name, es.offset, "EXACT_PREFIX section of sequence ", seq.seq,
+                                    " is ", es.size, " bytes, expected ", kExactPrefixBytes);
+      }
+      seq.exact_prefix = get<std::uint64_t>(bytes, es.offset);
+      if (seq.exact_prefix >= seq.num_token_ids) {
+        fail<snapshot_format_error>(name, es.offset, "exact_prefix ", seq.exact_prefix,
+                                    " of sequence ", seq.seq, " is not below its ",
+                                    seq.num_token_ids, " token ids");
+      }
     }
     seq.kv_offset.resize(layers);
     for (std::uint64_t l = 0; l < layers; ++l) {

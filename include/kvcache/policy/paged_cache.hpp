@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -146,6 +147,15 @@ static_assert(KVView<PagedView<float>>);
 /// every layer holding all positions before the run's last block (only that one may be filled in
 /// part, as after admit() of a wholly cached prompt). A write into an indexed block therefore
 /// only ever copies the last one, never a parent whose child the sequence keeps.
+///
+/// Moved K/V. context_shift() drops tokens after a sequence's first n_keep and moves the later
+/// ones back: their K/V (and that of every token appended after them) was computed with the
+/// dropped tokens in context, so it is not what a prompt of the sequence's new ids would
+/// compute. The sequence keeps its ids (it goes on from where it was), but only its first
+/// exact_prefix(seq) = n_keep positions are *exact*: no block past them is shared through the
+/// index or indexed, so no other prompt ever sees moved K/V, and a moved sequence never switches
+/// to an indexed block of the same ids. crop() to at most exact_prefix() makes the sequence
+/// exact again; release() forgets it; fork() and reorder() pass it on; snapshots keep it.
 ///
 /// Prefix index (see PrefixIndex): a trie of committed blocks keyed by (parent block, ids),
 /// through a chained hash, every hit confirmed by comparing ids. admit() walks it and shares the
@@ -301,6 +311,7 @@ class PagedCache {
     s.num_blocks = std::min(s.num_blocks, keep);
     s.num_tokens = std::min(s.num_tokens, n);
     s.committed = std::min(s.committed, n / block_size_);
+    if (n <= s.exact) s.exact = kAllExact;  // what is left, and what follows, is exact again
   }
 
   /// CacheConcept's name for release(). @throws batch_error.
@@ -344,6 +355,7 @@ class PagedCache {
     std::ranges::copy(prompt, table_tokens(seq));
     s.num_tokens = prompt.size();
     s.committed = cached / block_size_;
+    s.exact = kAllExact;
     for (std::size_t l = 0; l < shape_.num_layers; ++l) {
       lengths_[seq * shape_.num_layers + l] = cached;
     }
@@ -382,6 +394,13 @@ class PagedCache {
   [[nodiscard]] std::span<const token_id> tokens(std::size_t seq) const {
     detail::check_seq(kName, seq, max_batch_);
     return {tokens_.data() + seq * max_seq_len_, seqs_[seq].num_tokens};
+  }
+
+  /// How many leading positions of `seq` hold K/V that follows from their ids alone: SIZE_MAX
+  /// unless a context shift moved its later tokens (see "Moved K/V"). @throws batch_error.
+  [[nodiscard]] std::size_t exact_prefix(std::size_t seq) const {
+    detail::check_seq(kName, seq, max_batch_);
+    return seqs_[seq].exact;
   }
 
   /// Makes the empty sequence `dst` a copy of `src` sharing all of its blocks (parallel
@@ -572,9 +591,10 @@ class PagedCache {
       blocks[q] = (*std::max_element(first, last) + block_size_ - 1) / block_size_;
       if (prefix_caching_ && ids_of[q] != nullptr) {
         // As admit() leaves them: every layer fills each shared block but perhaps the last.
-        shareable[q] =
-            std::min({ids_of[q]->ids.size() / block_size_, blocks[q], shortest / block_size_ + 1});
-        committable[q] = std::min(shortest, ids_of[q]->ids.size()) / block_size_;
+        // Only ids of exact K/V name blocks (see "Moved K/V").
+        const std::size_t exact = std::min(ids_of[q]->ids.size(), ids_of[q]->exact_prefix);
+        shareable[q] = std::min({exact / block_size_, blocks[q], shortest / block_size_ + 1});
+        committable[q] = std::min(shortest, exact) / block_size_;
         at[q] = most_shared;
         most_shared += shareable[q];
         most_committed += committable[q];
@@ -694,9 +714,11 @@ class PagedCache {
       Sequence& s = seqs_[q];
       s.num_tokens = 0;
       s.committed = std::min(head_end[q], committable[q]);  // not a block its K/V fill in part
+      s.exact = kAllExact;
       if (ids_of[q] != nullptr) {
         std::ranges::copy(ids_of[q]->ids, table_tokens(q));
         s.num_tokens = ids_of[q]->ids.size();
+        if (ids_of[q]->exact_prefix < s.num_tokens) s.exact = ids_of[q]->exact_prefix;
       }
       std::copy_n(length.begin() + static_cast<std::ptrdiff_t>(q * num_layers), num_layers,
                   lengths_.begin() + static_cast<std::ptrdiff_t>(q * num_layers));
@@ -834,7 +856,7 @@ class PagedCache {
       if (s.num_blocks != (longest + block_size_ - 1) / block_size_) {
         return message("sequence ", q, " holds ", s.num_blocks, " blocks for ", longest, " tokens");
       }
-      if (s.committed * block_size_ > std::min(shortest, s.num_tokens)) {
+      if (s.committed * block_size_ > std::min({shortest, s.num_tokens, s.exact})) {
         return message("sequence ", q, " has ", s.committed, " committed blocks but ", shortest,
                        " tokens in its shortest layer and ", s.num_tokens, " ids");
       }
@@ -850,6 +872,10 @@ class PagedCache {
         }
         ++refs[b];
         if (index.contains(b)) {
+          if ((i + 1) * block_size_ > s.exact) {
+            return message("sequence ", q, " holds indexed block ", std::size_t{b}, " at ", i,
+                           " past its ", s.exact, " positions of exact K/V");
+          }
           if (index.parent(b) != (i == 0 ? kNoBlock : table_of(q)[i - 1])) {
             return message("sequence ", q, " holds indexed block ", std::size_t{b}, " at ", i,
                            " after another block than its parent");
@@ -917,11 +943,15 @@ class PagedCache {
 
  private:
   static constexpr const char* kName = "PagedCache";
+  static constexpr std::size_t kAllExact = std::numeric_limits<std::size_t>::max();
 
   struct Sequence {
     std::size_t num_blocks = 0;  // table entries in use
     std::size_t num_tokens = 0;  // ids registered
     std::size_t committed = 0;   // leading blocks that are indexed under this sequence's prefix
+    // Leading positions whose K/V follows from their ids alone (see "Moved K/V"): no block past
+    // it is shared through the index or indexed.
+    std::size_t exact = kAllExact;
   };
 
   // A block-table entry being copied on write: its index and the shared block it held.
@@ -1204,7 +1234,7 @@ class PagedCache {
   void commit(std::size_t seq) noexcept {
     if (!prefix_caching_) return;
     Sequence& s = seqs_[seq];
-    const std::size_t full = std::min(s.num_tokens, extent(seq).shortest) / block_size_;
+    const std::size_t full = std::min({s.num_tokens, extent(seq).shortest, s.exact}) / block_size_;
     if (full <= s.committed) return;
     block_id* table = table_of(seq);
     const token_id* ids = table_tokens(seq);
