@@ -326,10 +326,16 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
         CpuTwin<TestType> cpu(t);
         fill(dev, cpu, t, rng, lengths);
         AttentionOptions opts = c.opts;
+        const kvcache::Rope rope({}, c.dim);
         if (layout == kcuda::Layout::ring) {
           opts.window = t.window;
           opts.num_sink_tokens = t.sinks;
+          if ((&c - cases.data()) % 2 == 1) {  // every other case: StreamingLLM positions
+            opts.positions = kvcache::PositionMode::cache_relative;
+            opts.rope = &rope;
+          }
         }
+        const bool relative = opts.positions == kvcache::PositionMode::cache_relative;
         const std::size_t q_heads = c.kv_heads * c.group;
         const auto view = dev.view(0);
         dev.check_attention(0, std::vector<std::size_t>(t.batch, 1), opts);
@@ -353,7 +359,8 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
             REQUIRE(ws_bytes ==
                     kcuda::decode_workspace_bytes(view, static_cast<int>(q_heads), opts));
           }
-          if (lengths_ptr == &short_lengths) REQUIRE(ws_bytes == 0);  // one split
+          // one split: nothing to merge (but cache_relative's sink scores)
+          if (lengths_ptr == &short_lengths) REQUIRE((ws_bytes == 0) == !relative);
           if (lengths_ptr == &long_lengths) REQUIRE(ws_bytes > 0);
           kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
           kvcache::attend(
@@ -376,7 +383,8 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
             });
             INFO("layout " << static_cast<int>(layout) << " dim " << c.dim << " group " << c.group
                            << " seq " << s << " length " << lengths[s] << " kernel "
-                           << static_cast<int>(kernel) << " setup " << setup.has_value());
+                           << static_cast<int>(kernel) << " setup " << setup.has_value()
+                           << " cache_relative " << relative);
             kvcache::test::check_close(
                 std::span<const float>(got).subspan(s * q_heads * c.dim, q_heads * c.dim), expect,
                 decode_tolerance<TestType>());
@@ -469,9 +477,14 @@ TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda]", 
       for (std::size_t s = 0; s < 3; ++s) total[s] = cached[s] + fresh[s];
       fill(dev, cpu, t, rng, total);  // K/V of all tokens, new ones included, are appended
       AttentionOptions opts;
+      const kvcache::Rope rope({.pairing = kvcache::RopePairing::neox}, dim);
       if (layout == kcuda::Layout::ring) {
         opts.window = t.window;
         opts.num_sink_tokens = t.sinks;
+        if (dim == 128) {  // StreamingLLM positions: the sinks' scores with q turned back
+          opts.positions = kvcache::PositionMode::cache_relative;
+          opts.rope = &rope;
+        }
       }
       std::vector<std::int32_t> offsets{0};
       for (std::size_t s = 0; s < 3; ++s)
@@ -483,11 +496,18 @@ TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda]", 
       kcuda::DeviceBuffer<float> dout(q.size());
       kcuda::check(cudaMemset(dout.data(), 0xff, dout.bytes()), "poison");
       dev.check_attention(0, fresh, opts);
+      const std::size_t ws_bytes =
+          kcuda::prefill_workspace_bytes(dev.view(0), static_cast<int>(q_heads), 200, opts);
+      REQUIRE((ws_bytes == 0) == (opts.positions == kvcache::PositionMode::absolute));
+      kcuda::DeviceBuffer<unsigned char> ws(ws_bytes);
       kvcache::attend(
           TokenBlock<const float>{std::span<const float>(dq.data(), q.size()), rows, q_heads, dim},
           dev.view(0),
           TokenBlock<float>{std::span<float>(dout.data(), q.size()), rows, q_heads, dim}, opts,
-          kcuda::DeviceAttendArgs{.q_offsets = doff.data(), .max_q_len = 200});
+          kcuda::DeviceAttendArgs{.workspace = ws.data(),
+                                  .workspace_bytes = ws_bytes,
+                                  .q_offsets = doff.data(),
+                                  .max_q_len = 200});
       kcuda::check(cudaDeviceSynchronize(), "prefill");
       const auto got = download(dout.data(), q.size());
       for (std::size_t s = 0; s < 3; ++s) {
@@ -499,13 +519,64 @@ TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda]", 
                q_heads, dim},
               cv, {expect, n, q_heads, dim}, opts);
         });
-        INFO("layout " << static_cast<int>(layout) << " dim " << dim << " seq " << s);
+        INFO("layout " << static_cast<int>(layout) << " dim " << dim << " seq " << s
+                       << " cache_relative "
+                       << (opts.positions == kvcache::PositionMode::cache_relative));
         kvcache::test::check_close(
             std::span<const float>(got).subspan(first * q_heads * dim, n * q_heads * dim), expect,
             prefill_tolerance<TestType>());
       }
     }
   }
+}
+
+TEST_CASE("CUDA cache_relative positions refuse a RoPE of another head_dim and short workspace",
+          "[cuda]") {
+  if (!have_device()) return;
+  auto rng = kvcache::test::make_rng("cuda-cache-relative-errors");
+  const Twin t{kcuda::Layout::ring, 1, 1, 64, 2, 400, 32, 2, 64};
+  kcuda::DeviceCache<kvcache::half> dev(device_config(t));
+  CpuTwin<kvcache::half> cpu(t);
+  fill(dev, cpu, t, rng, {100, 70});
+  const kvcache::Rope wrong({}, 32), right({}, 64);
+  AttentionOptions opts{.window = 32,
+                        .num_sink_tokens = 2,
+                        .positions = kvcache::PositionMode::cache_relative,
+                        .rope = &wrong};
+  const auto q = kvcache::test::normal_floats(rng, 2 * 2 * 64);
+  auto dq = upload(q);
+  kcuda::DeviceBuffer<float> dout(q.size());
+  const TokenBlock<const float> qb{std::span<const float>(dq.data(), q.size()), 2, 2, 64};
+  const TokenBlock<float> ob{std::span<float>(dout.data(), q.size()), 2, 2, 64};
+  kcuda::DeviceBuffer<unsigned char> ws(1 << 20);
+  using kvcache::test::require_throws;
+  require_throws<kvcache::shape_error>(
+      [&] {
+        kvcache::attend(
+            qb, dev.view(0), ob, opts,
+            kcuda::DeviceAttendArgs{.workspace = ws.data(), .workspace_bytes = 1 << 20});
+      },
+      "RoPE for head_dim 32", "head_dim 64");
+  opts.rope = &right;
+  const std::size_t need = kcuda::decode_workspace_bytes(dev.view(0), 2, opts);
+  REQUIRE(need >= 2 * 2 * 2 * sizeof(float));  // the sink scores at least
+  require_throws<kvcache::shape_error>(
+      [&] {
+        kvcache::attend(
+            qb, dev.view(0), ob, opts,
+            kcuda::DeviceAttendArgs{.workspace = ws.data(), .workspace_bytes = need - 1});
+      },
+      "workspace of " + std::to_string(need - 1) + " bytes, needs " + std::to_string(need));
+  const std::vector<std::int32_t> offsets{0, 1, 2};
+  auto doff = upload(offsets);
+  const std::size_t prefill_need = kcuda::prefill_workspace_bytes(dev.view(0), 2, 1, opts);
+  REQUIRE(prefill_need > 0);
+  require_throws<kvcache::shape_error>(
+      [&] {
+        kvcache::attend(qb, dev.view(0), ob, opts,
+                        kcuda::DeviceAttendArgs{.q_offsets = doff.data(), .max_q_len = 1});
+      },
+      "CUDA prefill attention: workspace of 0 bytes, needs " + std::to_string(prefill_need));
 }
 
 TEST_CASE("CUDA launchers and DeviceCache reject bad input with the numbers", "[cuda]") {

@@ -16,6 +16,7 @@
 #include "kvcache/cuda/decode.cuh"
 #include "kvcache/cuda/prefill.cuh"
 #include "kvcache/cuda/runtime.cuh"
+#include "kvcache/cuda/sink_scores.cuh"
 #include "kvcache/cuda/view.cuh"
 
 namespace kvcache::cuda {
@@ -23,7 +24,9 @@ namespace kvcache::cuda {
 /// What a device attention call needs besides the CPU call's arguments.
 struct DeviceAttendArgs {
   cudaStream_t stream = nullptr;
-  /// Decode: workspace of at least decode_workspace_bytes(...) bytes (nullptr if that is 0).
+  /// Decode: workspace of at least decode_workspace_bytes(...) bytes; prefill: of
+  /// prefill_workspace_bytes(...) bytes (nullptr where that is 0: prefill with absolute
+  /// positions needs none).
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   /// Prefill: device array [num_seqs + 1]; the query tokens of sequence s are rows
@@ -40,34 +43,45 @@ struct DeviceAttendArgs {
 
 namespace detail {
 
-// The device kernels' mask. @throws shape_error for what they do not do yet (cache-relative
-// positions).
+// The device kernels' mask, before launch_sink_scores adds the sink scores of cache_relative
+// positions.
 inline DeviceMask device_mask(const AttentionOptions& opts) {
-  if (opts.positions == PositionMode::cache_relative) {
-    throw shape_error(
-        "cuda attention: cache_relative positions are not on the CUDA backend yet (use the CPU "
-        "kernel, or PositionMode::absolute)");
-  }
-  return DeviceMask{opts.causal, static_cast<std::int64_t>(opts.window),
-                    static_cast<std::int64_t>(opts.num_sink_tokens)};
+  return DeviceMask{.causal = opts.causal,
+                    .window = static_cast<std::int64_t>(opts.window),
+                    .sinks = static_cast<std::int64_t>(opts.num_sink_tokens)};
+}
+
+// Where a launch's workspace puts the sink scores: after the `first` bytes of other parts.
+// Returns the total; the scores start at round_up_256(first) when sink_bytes != 0.
+inline std::size_t with_sink_scores(std::size_t first, std::size_t sink_bytes) noexcept {
+  return sink_bytes == 0 ? first : round_up_256(first) + sink_bytes;
 }
 
 }  // namespace detail
 
 /// Bytes of workspace launch_decode_attention needs for this view (decode_workspace_bytes for
-/// the view's shape and max_keys, the options' window applied), with `setup` if given (no CUDA
-/// call), else on the current device.
+/// the view's shape and max_keys, the options' window applied, plus the sink scores of
+/// cache_relative positions), with `setup` if given (no CUDA call), else on the current device.
 template <Element T>
 [[nodiscard]] std::size_t decode_workspace_bytes(const DeviceKVView<T>& view, int num_q_heads,
                                                  const AttentionOptions& opts = {},
                                                  const DecodeSetup* setup = nullptr) {
   const std::int64_t keys = detail::decode_keys(view.max_keys, opts);
-  if (setup != nullptr) {
-    return decode_workspace_bytes<T>(*setup, view.num_seqs, num_q_heads, view.num_kv_heads,
-                                     view.head_dim, keys);
-  }
-  return decode_workspace_bytes<T>(view.num_seqs, num_q_heads, view.num_kv_heads, view.head_dim,
-                                   keys);
+  const std::size_t partials =
+      setup != nullptr ? decode_workspace_bytes<T>(*setup, view.num_seqs, num_q_heads,
+                                                   view.num_kv_heads, view.head_dim, keys)
+                       : decode_workspace_bytes<T>(view.num_seqs, num_q_heads, view.num_kv_heads,
+                                                   view.head_dim, keys);
+  return detail::with_sink_scores(partials,
+                                  detail::sink_score_bytes(opts, view.num_seqs, 1, num_q_heads));
+}
+
+/// Bytes of workspace launch_prefill_attention needs: the sink scores of cache_relative
+/// positions for num_seqs x max_q_len query rows; 0 for absolute positions (no workspace).
+template <Element T>
+[[nodiscard]] std::size_t prefill_workspace_bytes(const DeviceKVView<T>& view, int num_q_heads,
+                                                  int max_q_len, const AttentionOptions& opts) {
+  return detail::sink_score_bytes(opts, view.num_seqs, max_q_len < 1 ? 0 : max_q_len, num_q_heads);
 }
 
 /// Decode attention: q and out [num_seqs][num_q_heads][head_dim] device arrays, one query token
@@ -110,16 +124,26 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
                          : detail::query_decode_setup<T, D>(group, default_decode_kernel<T>);
     const detail::DecodePlan plan =
         detail::plan_decode(sized, view.num_seqs, view.num_kv_heads, max_keys);
-    const std::size_t need = plan.workspace_bytes(view.num_seqs, num_q_heads, D);
+    const std::size_t partials = plan.workspace_bytes(view.num_seqs, num_q_heads, D);
+    const std::size_t sink_bytes = detail::sink_score_bytes(opts, view.num_seqs, 1, num_q_heads);
+    const std::size_t need = detail::with_sink_scores(partials, sink_bytes);
     if (workspace_bytes < need || (need > 0 && workspace == nullptr)) {
-      throw shape_error(kvcache::detail::message(
-          "CUDA decode attention: workspace of ", workspace_bytes, " bytes, needs ", need, " (",
-          plan.splits, " splits of ", plan.keys_per_split, " keys)"));
+      throw shape_error(kvcache::detail::message("CUDA decode attention: workspace of ",
+                                                 workspace_bytes, " bytes, needs ", need, " (",
+                                                 plan.splits, " splits of ", plan.keys_per_split,
+                                                 " keys, ", sink_bytes, " bytes of sink scores)"));
     }
-    float* partial_acc = need == 0 ? nullptr : static_cast<float*>(workspace);
-    float* partial_ml = need == 0 ? nullptr
-                                  : partial_acc + static_cast<std::size_t>(view.num_seqs) *
-                                                      num_q_heads * plan.splits * D;
+    float* partial_acc = partials == 0 ? nullptr : static_cast<float*>(workspace);
+    float* partial_ml = partials == 0 ? nullptr
+                                      : partial_acc + static_cast<std::size_t>(view.num_seqs) *
+                                                          num_q_heads * plan.splits * D;
+    DeviceMask mask = detail::device_mask(opts);
+    if (sink_bytes != 0) {
+      float* scores = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) +
+                                               detail::round_up_256(partials));
+      detail::launch_sink_scores<T, D>(view, q, nullptr, 1, num_q_heads, opts, scale, scores, mask,
+                                       stream);
+    }
     const dim3 grid(static_cast<unsigned>(plan.splits),
                     static_cast<unsigned>(view.num_kv_heads * plan.num_chunks),
                     static_cast<unsigned>(view.num_seqs));
@@ -131,7 +155,7 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
                                   .chunk_group = plan.chunk_group,
                                   .num_splits = plan.splits,
                                   .keys_per_split = plan.keys_per_split,
-                                  .mask = detail::device_mask(opts),
+                                  .mask = mask,
                                   .scale = scale,
                                   .softcap = opts.softcap};
     if constexpr (std::is_same_v<T, float>) {
@@ -171,18 +195,27 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
 /// sees, holds an inf or NaN is NaN throughout; an inf or NaN in a key a row cannot see (a later
 /// token of the same chunk, a key outside its window) changes none of its bits. q is rounded to
 /// the K/V element type (fp16, bf16, tf32) for the tensor cores, so a q element beyond fp16's
-/// range counts as inf with fp16 K/V.
-/// @throws shape_error (head_dim not 64/128/256, or 256 with float), cuda_error.
+/// range counts as inf with fp16 K/V. cache_relative positions need workspace of
+/// prefill_workspace_bytes(view, num_q_heads, max_q_len, opts) bytes (none otherwise).
+/// @throws shape_error (head_dim not 64/128/256, or 256 with float; workspace too small; a
+///         RoPE for another head_dim), cuda_error.
 template <Element T>
 void launch_prefill_attention(const DeviceKVView<T>& view, const float* q, float* out,
                               int num_q_heads, const std::int32_t* q_offsets, int max_q_len,
-                              const AttentionOptions& opts, cudaStream_t stream) {
+                              const AttentionOptions& opts, cudaStream_t stream,
+                              void* workspace = nullptr, std::size_t workspace_bytes = 0) {
   detail::check_heads("CUDA prefill attention", num_q_heads, view.num_kv_heads);
   if (std::is_same_v<T, float> && view.head_dim > 128) {
     throw shape_error(kvcache::detail::message("CUDA prefill attention: head_dim ", view.head_dim,
                                                " with float K/V unsupported; supported: 64, 128"));
   }
   if (max_q_len < 1) return;
+  const std::size_t sink_bytes = prefill_workspace_bytes(view, num_q_heads, max_q_len, opts);
+  if (workspace_bytes < sink_bytes || (sink_bytes > 0 && workspace == nullptr)) {
+    throw shape_error(kvcache::detail::message("CUDA prefill attention: workspace of ",
+                                               workspace_bytes, " bytes, needs ", sink_bytes,
+                                               " (sink scores of cache_relative positions)"));
+  }
   const float scale =
       opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(view.head_dim));
   detail::dispatch_head_dim(view.head_dim, [&](auto d) {
@@ -193,10 +226,13 @@ void launch_prefill_attention(const DeviceKVView<T>& view, const float* q, float
       constexpr std::size_t smem = detail::PrefillSmem<T, D>::kBytes;
       auto kernel = detail::prefill_attention_kernel<T, D>;
       detail::allow_smem(kernel, smem);
+      DeviceMask mask = detail::device_mask(opts);
+      detail::launch_sink_scores<T, D>(view, q, q_offsets, max_q_len, num_q_heads, opts, scale,
+                                       static_cast<float*>(workspace), mask, stream);
       const dim3 grid(static_cast<unsigned>((max_q_len + kPrefillRows - 1) / kPrefillRows),
                       static_cast<unsigned>(num_q_heads), static_cast<unsigned>(view.num_seqs));
-      kernel<<<grid, kPrefillThreads, smem, stream>>>(
-          view, q, out, q_offsets, num_q_heads, detail::device_mask(opts), scale, opts.softcap);
+      kernel<<<grid, kPrefillThreads, smem, stream>>>(view, q, out, q_offsets, num_q_heads, mask,
+                                                      scale, opts.softcap);
       check_launch("kvcache::cuda::prefill_attention_kernel");
     }
   });
@@ -238,7 +274,8 @@ void attend(TokenBlock<const float> q, const cuda::DeviceKVView<T>& view, TokenB
                                   args.workspace_bytes, args.stream, args.decode_setup);
   } else {
     cuda::launch_prefill_attention(view, q.data.data(), out.data.data(), heads, args.q_offsets,
-                                   args.max_q_len, opts, args.stream);
+                                   args.max_q_len, opts, args.stream, args.workspace,
+                                   args.workspace_bytes);
   }
 }
 

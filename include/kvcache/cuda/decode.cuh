@@ -412,8 +412,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
       for (int h = 0; h < 2; ++h) {
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_tile[j];
-        sc[h] = transform_score(s[j] + s_other[j], args.softcap,
-                                pos >= 0 && args.mask.visible(qpos, pos), bad);
+        sc[h] = transform_score(args.mask.score(s[j] + s_other[j], seq, 0, h0 + g, pos),
+                                args.softcap, pos >= 0 && args.mask.visible(qpos, pos), bad);
       }
       float p[2];
       online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane, bad);
@@ -635,8 +635,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
       for (int h = 0; h < 2; ++h) {
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_s[j];
-        sc[h] = transform_score(s_s[g * L::kLdS + j] * unscale, args.softcap,
-                                pos >= 0 && args.mask.visible(qpos, pos), bad);
+        sc[h] =
+            transform_score(args.mask.score(s_s[g * L::kLdS + j] * unscale, seq, 0, h0 + g, pos),
+                            args.softcap, pos >= 0 && args.mask.visible(qpos, pos), bad);
       }
       float p[2];
       online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane, bad);
@@ -892,8 +893,10 @@ __global__ void __launch_bounds__(kDecodeThreads,
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const std::int64_t pos = pos_s[8 * (j / 2) + 2 * t + j % 2];
-        sc[i][j] = transform_score(sc[i][j] * pow2.unscale, args.softcap,
-                                   pos >= 0 && args.mask.visible(qpos, pos), bad);
+        const int head = (8 * i + g) % G;  // this lane's head in head tile i
+        const float raw = sc[i][j] * pow2.unscale;
+        sc[i][j] = transform_score(head < ng ? args.mask.score(raw, seq, 0, h0 + head, pos) : raw,
+                                   args.softcap, pos >= 0 && args.mask.visible(qpos, pos), bad);
         tile_max = fmaxf(tile_max, sc[i][j]);
       }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));

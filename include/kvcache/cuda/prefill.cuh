@@ -213,7 +213,9 @@ __global__ void __launch_bounds__(kPrefillThreads)
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_s[j];
         const bool visible = r < rows && pos >= 0 && mask.visible(qpos, pos);
-        sc[h] = transform_score(s_s[r * L::kLdS + j], softcap, visible, bad);
+        const float raw = s_s[r * L::kLdS + j];
+        sc[h] = transform_score(visible ? mask.score(raw, seq, row0 + r, q_head, pos) : raw,
+                                softcap, visible, bad);
         bad = bad || (visible && (v_bad_s[j / 16] >> (j % 16) & 1u) != 0);
       }
       float p[2];

@@ -76,8 +76,23 @@ struct DeviceMask {
   bool causal = true;
   std::int64_t window = 0;  ///< 0 = unlimited
   std::int64_t sinks = 0;
+  /// PositionMode::cache_relative: the scores of the sink keys (q turned back by the window's
+  /// shift, times the softmax scale), computed by sink_score_kernel before the attention kernel,
+  /// which takes them instead of its own q.k for keys at positions below `sinks`. Indexed
+  /// ((seq * sink_rows + row) * sink_heads + head) * sinks + pos for query row `row` of its
+  /// sequence. Null for absolute positions.
+  const float* sink_scores = nullptr;
+  std::int64_t sink_rows = 1;  ///< query rows per sequence in sink_scores (max_q_len)
+  int sink_heads = 0;          ///< query heads
   __host__ __device__ __forceinline__ bool visible(std::int64_t qpos, std::int64_t pos) const {
     return !causal || (pos <= qpos && (window == 0 || pos > qpos - window || pos < sinks));
+  }
+  /// The score of key `pos` for query head `head` of row `row` of sequence `seq`: `computed`
+  /// (the kernel's own q.k, scaled), or the precomputed one of a sink under cache_relative.
+  __device__ __forceinline__ float score(float computed, int seq, std::int64_t row, int head,
+                                         std::int64_t pos) const {
+    if (sink_scores == nullptr || pos < 0 || pos >= sinks) return computed;
+    return sink_scores[((seq * sink_rows + row) * sink_heads + head) * sinks + pos];
   }
 };
 
