@@ -38,6 +38,7 @@ extern char** environ;  // POSIX: the environment, passed on to the serving proc
 #include "llama/model.hpp"
 #include "llama/sampler.hpp"
 #include "llama/scenarios.hpp"
+#include "llama/streaming.hpp"
 #include "llama/tokenizer.hpp"
 
 #ifndef KVCACHE_SHARED_DIR
@@ -62,14 +63,16 @@ commands:
                    2b. the system prompt from disk: this process prefills it and saves a
                    snapshot, a second process loads it and serves the requests
   rag              3. many questions over one long cached document
-  sliding          4. generation past the model's seq_len in a sliding window with sinks
+  sliding          4. generation past the model's seq_len in a sliding window with sinks;
+                   with stories260K (--stories), how coherent: perplexity four ways, and text
   generate         plain generation from --prompt or --tokens
   help             this text
 
 model:
   --model PATH          llama2.c checkpoint (legacy version-0 .bin)
-  --synthetic SPEC      embedded synthetic model (default {spec}); items <n>L <n>d <n>h,
-                        optional <n>kv <n>ff <n>v <n>ctx tied, e.g. 8L-1024d-16h-4kv
+  --synthetic SPEC      embedded synthetic model (default {spec}); items
+                        <n>L <n>d <n>h, optional <n>kv <n>ff <n>v <n>ctx tied,
+                        e.g. 8L-1024d-16h-4kv
   --seed N              seed of the synthetic weights (default 1)
   --tokenizer PATH      llama2.c tokenizer (default: {tok} when it exists
                         and its vocabulary matches the model)
@@ -83,6 +86,9 @@ running:
   --threads N           threads for GEMMs and attention (default: all hardware threads)
   --chunk N             prefill chunk: tokens per batched forward pass (default 256)
   --window N --sinks N  sliding window and attention sinks (default 256 and 4)
+  --positions MODE      sliding, generate: absolute (default) or cache-relative: window and
+                        sinks at positions within the cache (StreamingLLM), which keeps a
+                        model coherent past its training length
   --temperature T       0 = greedy (default); > 0 samples
   --top-p P             nucleus sampling threshold (default 0.9 when sampling)
   --sample-seed N       sampler seed (default 0)
@@ -94,6 +100,11 @@ system-prompt-disk:
   --serve-from-snapshot PATH
                         be process 2 only: load PATH (saved with the same model and sizes)
                         and serve the requests
+
+sliding (and the demo's scenario 4):
+  --stories DIR         where stories260K.bin and tok512.bin are, for the quality half
+                        (default {stories});
+                        skipped, saying so, when they are absent
 
 generate:
   --prompt TEXT         text prompt (needs a tokenizer)
@@ -121,6 +132,8 @@ struct Options {
   std::size_t threads = std::max(1u, std::thread::hardware_concurrency());
   std::size_t chunk = 256;
   std::size_t window = 256, sinks = 4;
+  std::optional<kvcache::PositionMode> positions;
+  std::optional<std::string> stories_dir;
   std::size_t block_size = 16;
   llama::SamplerConfig sampler{};
   bool top_p_given = false;
@@ -200,6 +213,15 @@ Options parse_args(int argc, char** argv) {
       o.window = parse_count(a, value(a));
     } else if (a == "--sinks") {
       o.sinks = parse_count(a, value(a), 0);
+    } else if (a == "--positions") {
+      const std::string mode = value(a);
+      if (mode != "absolute" && mode != "cache-relative") {
+        throw usage_error(fmt::format("--positions {}: expected absolute or cache-relative", mode));
+      }
+      o.positions = mode == "absolute" ? kvcache::PositionMode::absolute
+                                       : kvcache::PositionMode::cache_relative;
+    } else if (a == "--stories") {
+      o.stories_dir = value(a);
     } else if (a == "--block-size") {
       o.block_size = parse_count(a, value(a));
     } else if (a == "--temperature") {
@@ -400,6 +422,8 @@ struct SummaryRow {
   std::string check;
   bool ok = true;
   std::vector<std::string> notes = {};
+  /// False where both ways run the same prefill, so TTFT has no speedup to show ("-").
+  bool ttft_speedup = true;
 };
 
 std::string series_ms(const std::vector<llama::RequestRow>& rows,
@@ -790,6 +814,67 @@ SummaryRow system_prompt_disk(Context& ctx, const std::string& stage, bool detai
   return *row;
 }
 
+std::string positions_name(kvcache::PositionMode mode) {
+  return mode == kvcache::PositionMode::absolute ? "absolute" : "cache-relative";
+}
+
+/// Scenario 4's quality half: stories260K (trained on 512 tokens) scores a stream of stories it
+/// sampled itself, past its training length, four ways (llama/streaming.hpp), and then starts a
+/// new story in the sliding window at absolute and at cache-relative positions. Its lines go to
+/// the notes; one line saying why when the model is not in --stories.
+std::vector<std::string> sliding_quality(Context& ctx, const std::string& stage) {
+  const Options& o = ctx.opt;
+  const std::filesystem::path dir =
+      std::filesystem::path(o.stories_dir.value_or(KVCACHE_SHARED_DIR "/models/stories260K"))
+          .lexically_normal();
+  std::error_code ec;
+  if (!std::filesystem::exists(dir / "stories260K.bin", ec) ||
+      !std::filesystem::exists(dir / "tok512.bin", ec)) {
+    return {
+        fmt::format("sliding quality: skipped, no stories260K.bin and tok512.bin in {} "
+                    "(--stories DIR)",
+                    dir.string())};
+  }
+  const llama::Model model =
+      llama::Model::from_checkpoint(llama::load_llama2c(dir / "stories260K.bin"));
+  const llama::Tokenizer tok = llama::Tokenizer::load(dir / "tok512.bin");
+  // One thread: a model this small decodes fastest without handing work to a pool.
+  llama::Engine engine(model);
+  const auto progress = ctx.progress.for_stage(stage + " stories260K:");
+  constexpr std::size_t kContinuation = 40;  // tokens of text shown per position mode
+  const llama::StreamingOptions so{
+      .window = o.window, .num_sink_tokens = o.sinks, .continuation_tokens = kContinuation};
+  const llama::StreamingResult r = llama::evaluate_streaming(engine, so, progress);
+  const auto column = [&](double ppl) {
+    return fmt::format("{:.2f} ({:.3f}x)", ppl, ppl / r.in_story);
+  };
+  const auto text = [&](const std::vector<token_id>& ids) {  // BOS, then the story
+    std::string t = llama::Tokenizer::printable(tok.decode(std::span(ids).subspan(1)));
+    for (char& ch : t) ch = ch == '\n' ? ' ' : ch;
+    return "\"" + t + (ids.size() > kContinuation ? "...\"" : "\"");
+  };
+  return {
+      fmt::format("sliding quality on stories260K (trained on {} tokens): a {}-token stream of {} "
+                  "stories it sampled itself",
+                  model.config().seq_len, r.stream_tokens, r.num_stories),
+      fmt::format("  (seed {}, temperature {}), perplexity at positions {}..{}; window {} + {} "
+                  "sinks; ratio to (a):",
+                  so.sampler.seed, so.sampler.temperature, r.scored_from, r.stream_tokens - 1,
+                  r.window, r.num_sink_tokens),
+      fmt::format("  {:>22}  {:>26}  {:>22}  {:>28}", "(a) each story alone",
+                  "(b) full cache, absolute", "(c) window, absolute", "(d) window, cache-relative"),
+      fmt::format("  {:>22}  {:>26}  {:>22}  {:>28}", fmt::format("{:.2f}", r.in_story),
+                  column(r.full_absolute), column(r.window_absolute), column(r.window_relative)),
+      fmt::format("  (d) is {} of (a){}. A new story from position {} on, in the window:",
+                  r.window_relative <= 1.10 * r.in_story ? "within 10%" : "NOT within 10%",
+                  r.window_relative < r.window_absolute ? ", (c) far worse" : "", r.stream_tokens),
+      fmt::format("    (c) absolute        {}", text(r.continuation_absolute)),
+      fmt::format("    (d) cache-relative  {}", text(r.continuation_relative)),
+      fmt::format("  ({:.1f} s on one thread. More text: kvcache_demo sliding --model {} "
+                  "--positions cache-relative)",
+                  r.seconds, (dir / "stories260K.bin").string())};
+}
+
 SummaryRow sliding(Context& ctx, const std::string& stage, bool details) {
   const Options& o = ctx.opt;
   if (o.cache && *o.cache != llama::CacheKind::sliding) {
@@ -802,6 +887,7 @@ SummaryRow sliding(Context& ctx, const std::string& stage, bool details) {
                                  .num_sink_tokens = o.sinks,
                                  .max_append_len = std::min<std::size_t>(o.chunk, 64),
                                  .checkpoints = o.checkpoints.value_or(6),
+                                 .positions = o.positions.value_or(kvcache::PositionMode::absolute),
                                  .sampler = o.sampler};
   llama::PromptSource source(ctx.tok(), c.vocab_size, 44);
   const auto r = llama::run_sliding(*ctx.engine, source, so, ctx.progress.for_stage(stage));
@@ -809,8 +895,9 @@ SummaryRow sliding(Context& ctx, const std::string& stage, bool details) {
   if (details) {
     fmt::print(
         "4. sliding window: {} tokens generated after a {}-token prompt, model seq_len "
-        "{}, window {} + {} sinks\n",
-        r.generated, so.prompt_tokens, r.seq_len, r.window, r.num_sink_tokens);
+        "{}, window {} + {} sinks, {} positions\n",
+        r.generated, so.prompt_tokens, r.seq_len, r.window, r.num_sink_tokens,
+        positions_name(r.positions));
     fmt::print("   TTFT cached {}, uncached {}; decode {} tok/s cached\n", ms(r.ttft_cached_s),
                ms(r.ttft_uncached_s), tps(r.decode_cached_tps));
     fmt::print("{:>9} {:>14} {:>16} {:>15} {:>15}  {}\n", "position", "cache memory",
@@ -824,6 +911,11 @@ SummaryRow sliding(Context& ctx, const std::string& stage, bool details) {
                  mib(p.full_cache_bytes), ms(p.uncached_step_s), tps(1.0 / p.uncached_step_s),
                  same);
     }
+    if (o.model_path) {  // a synthetic model's text is noise
+      const std::size_t tail = std::min<std::size_t>(48, r.sequence.size());
+      fmt::print("   its last {} tokens: {}\n", tail,
+                 ctx.show(std::span(r.sequence).last(tail), tail));
+    }
     fmt::print("\n");
   }
   const auto& first = r.points.front();
@@ -836,22 +928,34 @@ SummaryRow sliding(Context& ctx, const std::string& stage, bool details) {
   const bool flat = std::all_of(r.points.begin(), r.points.end(), [&](const auto& p) {
     return p.memory_bytes == first.memory_bytes;
   });
-  return {
+  SummaryRow row{
       .scenario = fmt::format("4 sliding, to position {}", last.length),
       .cache = "sliding",
       .ttft_cached = r.ttft_cached_s,
       .ttft_uncached = r.ttft_uncached_s,
       .decode_cached = r.decode_cached_tps,
       .decode_uncached = 1.0 / last.uncached_step_s,
-      .check =
-          fmt::format("{} of {} checkpoints: logits = from scratch",
-                      count(r.points, [](const auto& p) { return p.identical; }), r.points.size()),
+      .check = fmt::format("{} of {} checkpoints: logits = from scratch; memory {}",
+                           count(r.points, [](const auto& p) { return p.identical; }),
+                           r.points.size(), flat ? "constant" : "NOT constant"),
       .ok = r.all_identical() && flat,
-      .notes = {fmt::format("sliding: window {} + {} sinks, model seq_len {}; at positions{}",
-                            r.window, r.num_sink_tokens, r.seq_len, positions),
-                fmt::format("  cache memory_bytes {} at every one ({}); a full cache would "
-                            "hold{} MiB",
-                            mib(first.memory_bytes), flat ? "constant" : "NOT constant", full)}};
+      .notes = {fmt::format("sliding: window {} + {} sinks, {} positions, model seq_len {}; "
+                            "checkpoints at positions{}",
+                            r.window, r.num_sink_tokens, positions_name(r.positions), r.seq_len,
+                            positions),
+                fmt::format("  both ways prefill the same {}-token prompt (TTFT alike, speedup "
+                            "-); what the cache buys is decode, {} tok/s at any length against "
+                            "{} uncached at position {}",
+                            so.prompt_tokens, tps(r.decode_cached_tps),
+                            tps(1.0 / last.uncached_step_s), last.length),
+                fmt::format("  in constant memory: memory_bytes {} at every checkpoint; a full "
+                            "cache would hold{} MiB",
+                            mib(first.memory_bytes), full)},
+      .ttft_speedup = false};
+  const auto quality = sliding_quality(ctx, stage);
+  ctx.progress.clear();
+  row.notes.insert(row.notes.end(), quality.begin(), quality.end());
+  return row;
 }
 
 void print_summary(const std::vector<SummaryRow>& rows) {
@@ -859,9 +963,11 @@ void print_summary(const std::vector<SummaryRow>& rows) {
              "TTFT cached", "TTFT uncached", "speedup", "tok/s cached", "uncached", "check");
   fmt::print("{}\n", std::string(128, '-'));
   for (const auto& r : rows) {
-    fmt::print("{:<30} {:<8} {:>11} {:>13} {:>7.1f}x {:>12} {:>10}  {}{}\n", r.scenario, r.cache,
-               ms(r.ttft_cached), ms(r.ttft_uncached), r.ttft_uncached / r.ttft_cached,
-               tps(r.decode_cached), tps(r.decode_uncached), r.ok ? "" : "FAILED: ", r.check);
+    const std::string speedup =
+        r.ttft_speedup ? fmt::format("{:.1f}x", r.ttft_uncached / r.ttft_cached) : std::string("-");
+    fmt::print("{:<30} {:<8} {:>11} {:>13} {:>8} {:>12} {:>10}  {}{}\n", r.scenario, r.cache,
+               ms(r.ttft_cached), ms(r.ttft_uncached), speedup, tps(r.decode_cached),
+               tps(r.decode_uncached), r.ok ? "" : "FAILED: ", r.check);
   }
   fmt::print("\n");
   for (const auto& r : rows) {
@@ -870,7 +976,7 @@ void print_summary(const std::vector<SummaryRow>& rows) {
   fmt::print(
       "\nuncached = no KV cache: the prompt (or the whole chat history) is prefilled from "
       "scratch, and every decoded\ntoken runs the model over the whole sequence again. "
-      "speedup = TTFT uncached / TTFT cached; tok/s = decode.\n");
+      "speedup = TTFT uncached / TTFT cached (-: the same\nprefill both ways); tok/s = decode.\n");
 }
 
 int generate(Context& ctx) {
@@ -887,6 +993,7 @@ int generate(Context& ctx) {
     prompt = {llama::kBos};
   }
   const auto kind = o.cache.value_or(llama::CacheKind::dynamic);
+  ctx.engine->set_positions(o.positions.value_or(kvcache::PositionMode::absolute));
   llama::CacheParams params = ctx.cache_params();
   params.max_seq_len = prompt.size() + o.steps;
   llama::Sampler sampler(o.sampler);
@@ -926,7 +1033,8 @@ int run(int argc, char** argv) {
   const std::string& cmd = ctx.opt.command;
   if (cmd == "help") {
     fmt::print(fmt::runtime(kUsage), fmt::arg("spec", kDefaultSpec),
-               fmt::arg("tok", KVCACHE_SHARED_DIR "/models/stories260K/tok512.bin"));
+               fmt::arg("tok", KVCACHE_SHARED_DIR "/models/stories260K/tok512.bin"),
+               fmt::arg("stories", KVCACHE_SHARED_DIR "/models/stories260K"));
     return 0;
   }
   if (cmd != "demo" && cmd != "chat" && cmd != "system-prompt" && cmd != "system-prompt-disk" &&
@@ -936,6 +1044,12 @@ int run(int argc, char** argv) {
   if ((ctx.opt.snapshot && cmd != "demo" && cmd != "system-prompt-disk") ||
       ((ctx.opt.serve_from || ctx.opt.report) && cmd != "system-prompt-disk")) {
     throw usage_error("--snapshot and --serve-from-snapshot are options of system-prompt-disk");
+  }
+  if (ctx.opt.positions && cmd != "sliding" && cmd != "generate") {
+    throw usage_error("--positions is an option of sliding and generate");
+  }
+  if (ctx.opt.stories_dir && cmd != "sliding" && cmd != "demo") {
+    throw usage_error("--stories is an option of sliding and demo");
   }
   load(ctx);
   if (cmd == "generate") return generate(ctx);
@@ -984,6 +1098,9 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Lines on stdout go out as they are printed, so that they keep their order with the progress
+  // lines on stderr when both go to one pipe (kvcache_demo 2>&1 | cat).
+  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   try {
     return run(argc, argv);
   } catch (const usage_error& e) {

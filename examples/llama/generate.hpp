@@ -3,14 +3,18 @@
 // reuses whatever prefix of the prompt it already holds, or a prefix-caching cache that finds
 // the longest cached prefix of the prompt among all earlier requests) and without one (every
 // token from a full forward pass over the whole sequence). All report TTFT and decode time.
+// Also what the scenarios built on them share: the progress callback, a scoped position mode.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
+#include "kvcache/attention/options.hpp"
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/core/prefix_cache_concept.hpp"
 #include "kvcache/policy/token_tracked_cache.hpp"
@@ -19,10 +23,29 @@
 
 namespace llama {
 
+/// Called with a short status line while a scenario works ("chat: turn 3/6").
+using Progress = std::function<void(const std::string&)>;
+
 /// Seconds on a monotonic clock.
 [[nodiscard]] inline double now_s() noexcept {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
+
+/// Sets an engine's position mode for a scope and restores the previous one on exit.
+class ScopedPositions {
+ public:
+  ScopedPositions(Engine& engine, kvcache::PositionMode mode) noexcept
+      : engine_(engine), previous_(engine.positions()) {
+    engine.set_positions(mode);
+  }
+  ScopedPositions(const ScopedPositions&) = delete;
+  ScopedPositions& operator=(const ScopedPositions&) = delete;
+  ~ScopedPositions() { engine_.set_positions(previous_); }
+
+ private:
+  Engine& engine_;
+  kvcache::PositionMode previous_;
+};
 
 /// What one request produced, and how long it took.
 struct Generation {

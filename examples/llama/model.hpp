@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -308,9 +309,13 @@ inline void check_finite(std::span<const float> data, const Llama2cLayout& layou
   using kvcache::detail::message;
   const std::string name = path.string();
   std::ifstream in(path, std::ios::binary);
+  const int open_errno = in ? 0 : errno;
   std::error_code ec;
   const auto size = std::filesystem::file_size(path, ec);
-  if (!in || ec) throw kvcache::format_error(message(name, ": cannot open the checkpoint"));
+  if (!in || ec) {
+    throw kvcache::format_error(message(
+        name, ": cannot open the checkpoint: ", ec ? ec.message() : std::strerror(open_errno)));
+  }
   unsigned char header[Llama2cLayout::kHeaderBytes];
   if (size < sizeof header || !in.read(reinterpret_cast<char*>(header), sizeof header)) {
     throw kvcache::format_error(message(name, ": truncated: ", static_cast<std::size_t>(size),

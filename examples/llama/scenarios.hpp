@@ -11,13 +11,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <vector>
 
+#include "kvcache/attention/options.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/prefix_cache_concept.hpp"
 #include "kvcache/policy/sliding_window_cache.hpp"
@@ -29,9 +29,6 @@
 #include "llama/tokenizer.hpp"
 
 namespace llama {
-
-/// Called with a short status line while a scenario works ("chat: turn 3/6").
-using Progress = std::function<void(const std::string&)>;
 
 /// An endless stream of prompt tokens: a built-in English text encoded with the tokenizer and
 /// cycled, or (without a tokenizer) seeded pseudo-random ids in [3, vocab) (never BOS/EOS).
@@ -248,10 +245,12 @@ inline RequestsResult run_shared_prefix(Engine& engine, PromptSource& source,
 }
 
 /// Scenario 4: generation far past the model's seq_len in a SlidingWindowCache (window +
-/// attention sinks, constant memory). At each checkpoint the next-token logits are recomputed
-/// without a cache over the whole sequence, attending to the same window and sinks, and compared
-/// bit for bit with the cached ones (attention gives the same bits over a ring view as over the
-/// uncached pass's contiguous K/V, and the engine's GEMMs do not depend on the batch).
+/// attention sinks, constant memory), at absolute or cache-relative positions. At each
+/// checkpoint the next-token logits are recomputed without a cache over the whole sequence,
+/// attending to the same window and sinks at the same positions, and compared bit for bit with
+/// the cached ones (attention gives the same bits over a ring view as over the uncached pass's
+/// contiguous K/V, and the engine's GEMMs do not depend on the batch). Whether the text stays
+/// coherent is llama/streaming.hpp's measurement.
 struct SlidingOptions {
   std::size_t prompt_tokens = 64;
   std::size_t generate_tokens = 0;  ///< 0: three times the model's seq_len
@@ -259,6 +258,8 @@ struct SlidingOptions {
   std::size_t num_sink_tokens = 4;
   std::size_t max_append_len = 64;
   std::size_t checkpoints = 6;
+  /// cache_relative: sinks and window at positions within the cache (StreamingLLM).
+  kvcache::PositionMode positions = kvcache::PositionMode::absolute;
   SamplerConfig sampler = {};
 };
 
@@ -275,9 +276,11 @@ struct SlidingPoint {
 
 struct SlidingResult {
   std::size_t seq_len = 0, window = 0, num_sink_tokens = 0, generated = 0;
+  kvcache::PositionMode positions = kvcache::PositionMode::absolute;
   double ttft_cached_s = 0, ttft_uncached_s = 0;
   double decode_cached_tps = 0;
   std::vector<SlidingPoint> points = {};
+  std::vector<token_id> sequence = {};  ///< prompt and generated tokens
 
   [[nodiscard]] bool all_identical() const noexcept {
     return std::all_of(points.begin(), points.end(),
@@ -285,8 +288,10 @@ struct SlidingResult {
   }
 };
 
+/// @post engine.positions() is as before the call.
 inline SlidingResult run_sliding(Engine& engine, PromptSource& source, const SlidingOptions& o,
                                  const Progress& progress = {}) {
+  const ScopedPositions scoped(engine, o.positions);
   const Model& model = engine.model();
   const ModelConfig& c = model.config();
   kvcache::SlidingWindowCache<float> cache({.num_layers = c.num_layers,
@@ -298,7 +303,8 @@ inline SlidingResult run_sliding(Engine& engine, PromptSource& source, const Sli
   {
     SlidingResult result{.seq_len = model.config().seq_len,
                          .window = o.window,
-                         .num_sink_tokens = o.num_sink_tokens};
+                         .num_sink_tokens = o.num_sink_tokens,
+                         .positions = o.positions};
     const std::size_t total =
         o.generate_tokens != 0 ? o.generate_tokens : 3 * model.config().seq_len;
     const AttentionWindow window = attention_window(cache);
@@ -357,7 +363,9 @@ inline SlidingResult run_sliding(Engine& engine, PromptSource& source, const Sli
         result.points.push_back(check_point(logits));
       }
     }
+    seq.push_back(next);
     result.generated = total;
+    result.sequence = std::move(seq);
     result.decode_cached_tps = total > 1 ? static_cast<double>(total - 1) / decode_s : 0.0;
     return result;
   }

@@ -5,8 +5,10 @@
 #pragma once
 
 #include <array>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -37,7 +39,8 @@ class Tokenizer {
                                       std::size_t expected_vocab = 0) {
     std::ifstream in(path, std::ios::binary);
     if (!in) {
-      throw kvcache::format_error(path.string() + ": cannot open the tokenizer");
+      throw kvcache::format_error(path.string() +
+                                  ": cannot open the tokenizer: " + std::strerror(errno));
     }
     const std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(in)),
                                            std::istreambuf_iterator<char>());

@@ -2,7 +2,8 @@
 // The demo's scenarios on a small synthetic model: RAG and system-prompt requests served from a
 // cached prefix produce exactly the tokens of from-scratch runs of the concatenated prompt (and
 // skipping the crop would not), chat turns match re-prefilled history, the sliding run gives
-// the logits of uncached windowed attention bit for bit at every checkpoint, in constant memory.
+// the logits of uncached windowed attention bit for bit at every checkpoint, in constant memory,
+// at absolute and at cache-relative positions.
 // The paged policy serves the same scenarios by automatic prefix caching.
 #include <vector>
 
@@ -121,26 +122,39 @@ TEST_CASE("cached chat turns equal re-prefilling the whole history") {
 
 TEST_CASE(
     "the sliding scenario gives the logits of uncached windowed attention, bit for bit, in "
-    "constant memory") {
+    "constant memory, at absolute and at cache-relative positions") {
   ThreadPool pool(2);
   const llama::Model model = llama::Model::synthetic(llama::parse_synthetic_spec(kSpec), 6, &pool);
   llama::Engine engine(model, &pool, 16);
-  llama::PromptSource source(nullptr, model.config().vocab_size, 9);
-  const llama::SlidingOptions o{.prompt_tokens = 10,
-                                .generate_tokens = 150,  // past seq_len 64
-                                .window = 20,
-                                .num_sink_tokens = 3,
-                                .max_append_len = 8,
-                                .checkpoints = 5};
-  const auto r = llama::run_sliding(engine, source, o);
-  REQUIRE(r.generated == 150);
-  REQUIRE(r.points.size() >= 5);
-  REQUIRE(r.all_identical());
-  REQUIRE(r.points.back().length > 2 * r.seq_len);
-  for (const auto& p : r.points) {
-    REQUIRE(p.memory_bytes == r.points.front().memory_bytes);
-    REQUIRE(p.argmax_match);
-    REQUIRE(p.max_logit_diff == 0.0f);
+  std::vector<token_id> absolute_sequence;
+  for (const PositionMode mode : {PositionMode::absolute, PositionMode::cache_relative}) {
+    INFO("positions " << (mode == PositionMode::absolute ? "absolute" : "cache-relative"));
+    llama::PromptSource source(nullptr, model.config().vocab_size, 9);
+    const llama::SlidingOptions o{.prompt_tokens = 10,
+                                  .generate_tokens = 150,  // past seq_len 64
+                                  .window = 20,
+                                  .num_sink_tokens = 3,
+                                  .max_append_len = 8,
+                                  .checkpoints = 5,
+                                  .positions = mode};
+    const auto r = llama::run_sliding(engine, source, o);
+    REQUIRE(engine.positions() == PositionMode::absolute);  // restored
+    REQUIRE(r.positions == mode);
+    REQUIRE(r.generated == 150);
+    REQUIRE(r.sequence.size() == 10 + 150);
+    REQUIRE(r.points.size() >= 5);
+    REQUIRE(r.all_identical());
+    REQUIRE(r.points.back().length > 2 * r.seq_len);
+    for (const auto& p : r.points) {
+      REQUIRE(p.memory_bytes == r.points.front().memory_bytes);
+      REQUIRE(p.argmax_match);
+      REQUIRE(p.max_logit_diff == 0.0f);
+    }
+    REQUIRE(r.points.back().full_cache_bytes > r.points.back().memory_bytes);
+    if (mode == PositionMode::absolute) {
+      absolute_sequence = r.sequence;
+    } else {
+      REQUIRE(r.sequence != absolute_sequence);  // the positions mode took effect
+    }
   }
-  REQUIRE(r.points.back().full_cache_bytes > r.points.back().memory_bytes);
 }
