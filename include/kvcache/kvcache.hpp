@@ -29,3 +29,4 @@
 #include "kvcache/prefix/eviction.hpp"
 #include "kvcache/prefix/prefix_index.hpp"
 #include "kvcache/prefix/types.hpp"
+#include "kvcache/version.hpp"

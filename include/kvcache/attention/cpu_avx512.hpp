@@ -16,6 +16,12 @@
 
 #define KVCACHE_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
+// nvcc parses these host-only kernels too and reports GCC's unroll pragmas as unknown (1675).
+#if defined(__NVCC__)
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 1675
+#endif
+
 // GCC 12's AVX-512 intrinsics pass a self-initialised _mm512_undefined_*() as the merge source of
 // unmasked operations, which -Wuninitialized reports once they are inlined (GCC bug 105593).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -337,6 +343,10 @@ struct Avx512Ops {
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
+
+#if defined(__NVCC__)
+#pragma nv_diagnostic pop
 #endif
 
 #undef KVCACHE_TARGET_AVX512

@@ -26,9 +26,11 @@ struct TokenBlock {
   [[nodiscard]] constexpr T* row(std::size_t token, std::size_t head) const noexcept {
     return data.data() + (token * num_heads + head) * head_dim;
   }
-  /// The same block, read-only.
-  [[nodiscard]] constexpr operator TokenBlock<const T>() const noexcept
-      requires(!std::is_const_v<T>) {
+  /// The same block, read-only. A template (U = const T), so that TokenBlock<const T> declares
+  /// no conversion to its own type (which nvcc reports, warning 554).
+  template <class U>
+  [[nodiscard]] constexpr operator TokenBlock<U>() const noexcept
+      requires(!std::is_const_v<T> && std::is_same_v<U, const T>) {
     return {data, num_tokens, num_heads, head_dim};
   }
 

@@ -4,6 +4,10 @@
 // query tokens per sequence) on the caller's stream, with caller-owned workspace.
 #pragma once
 
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>

@@ -6,6 +6,10 @@
 // parameters (no host-to-device copies, no hidden synchronisation).
 #pragma once
 
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>

@@ -2,6 +2,10 @@
 // Umbrella header of the CUDA backend (compile with nvcc; target kvcache::cuda).
 #pragma once
 
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
 #include "kvcache/cuda/attend.cuh"
 #include "kvcache/cuda/cache.cuh"
 #include "kvcache/cuda/decode.cuh"

@@ -6,6 +6,10 @@
 // (decode_attention_kernel).
 #pragma once
 
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
 #include <cuda_pipeline.h>
 #include <mma.h>
 

@@ -4,6 +4,10 @@
 // head_dim dispatch of their launchers.
 #pragma once
 
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
 #include <cstdint>
 #include <type_traits>
 

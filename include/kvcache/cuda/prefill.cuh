@@ -5,6 +5,10 @@
 // online softmax and the output accumulator in fp32.
 #pragma once
 
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
 #include <cuda_pipeline.h>
 
 #include <cstddef>

@@ -5,6 +5,10 @@
 // [0, sink_end) and [recent_begin, length) per sequence.
 #pragma once
 
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

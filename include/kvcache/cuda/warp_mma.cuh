@@ -11,6 +11,10 @@
 // emulation of the same layouts.
 #pragma once
 
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// POSIX file plumbing for snapshots (Linux): RAII descriptors and read-only mappings, whole-file
-// reads, and AtomicFileWriter, which replaces a file by write-temp / fsync / rename / fsync-dir.
+// POSIX file plumbing for snapshots: RAII descriptors and read-only mappings, whole-file reads, and
+// AtomicFileWriter, which replaces a file by write-temp / fsync / rename / fsync-dir. Linux's read
+// advice (posix_fadvise, MAP_POPULATE) is used where the platform has it; elsewhere (macOS) mapped
+// pages fault in on first touch, with MADV_SEQUENTIAL's readahead.
 #pragma once
 
 #include <dirent.h>
@@ -150,10 +152,18 @@ class MappedFile {
   MappedFile() noexcept = default;
   /// Maps `size` bytes of `fd` (size > 0), prefaulting the page tables (MAP_POPULATE) so that
   /// the first pass over the bytes takes no page faults; pages not in the page cache are first
-  /// requested as one large readahead (POSIX_FADV_WILLNEED). @throws io_error (mmap).
+  /// requested as one large readahead (POSIX_FADV_WILLNEED). Where the platform lacks either
+  /// (macOS), that step is skipped. @throws io_error (mmap).
   MappedFile(int fd, std::size_t size, const std::filesystem::path& path) : size_(size) {
+#if defined(POSIX_FADV_WILLNEED)
     ::posix_fadvise(fd, 0, static_cast<off_t>(size), POSIX_FADV_WILLNEED);
-    void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+#endif
+#if defined(MAP_POPULATE)
+    constexpr int populate = MAP_POPULATE;
+#else
+    constexpr int populate = 0;
+#endif
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE | populate, fd, 0);
     if (p == MAP_FAILED) throw io_error(detail::message("mmap '", path.string(), "'"), errno);
     data_ = static_cast<const std::byte*>(p);
     ::madvise(p, size, MADV_SEQUENTIAL);  // advisory only: its failure changes nothing
