@@ -4,6 +4,7 @@
 // where kvcache's headers are plain -I includes: it instantiates the public templates (every
 // policy and element type, every CPU kernel, snapshots, prefix caching, RoPE, cache-relative
 // positions) so that their bodies are checked too. Never run.
+#include <kvcache/cuda/decode_plan.hpp>
 #include <kvcache/io/snapshot.hpp>
 #include <kvcache/kvcache.hpp>
 #include <vector>
@@ -43,6 +44,17 @@ void policies() {
   load_snapshot_bytes(snapshot_to_bytes(fixed, model), fixed, model);
   load_snapshot_bytes(snapshot_to_bytes(tracked, model), tracked, model);
   load_snapshot_bytes(snapshot_to_bytes(paged, model), paged, model);
+  context_shift(growing, 0, 0, 1, rope);
+  context_shift(sliding, 0, 0, 1, rope);
+  context_shift(paged, 0, 0, 1, rope);
+  context_shift(tracked, 0, 0, 0, rope);
+  const cuda::DecodeSetup setup{.dtype = dtype_of<T>,
+                                .head_dim = 128,
+                                .group = 4,
+                                .blocks_per_sm = 1,
+                                .num_sms = 1,
+                                .kernel = cuda::default_decode_kernel<T>};
+  (void)cuda::decode_workspace_bytes<T>(setup, 1, 8, 2, 128, 4096);
 }
 
 }  // namespace

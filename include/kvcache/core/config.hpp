@@ -10,6 +10,15 @@
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
 
+/// Marks a function callable from host code and from CUDA device code: __host__ __device__
+/// under nvcc, nothing for a plain C++ compiler (for the few constexpr helpers that plain .hpp
+/// headers share with the kernels).
+#if defined(__CUDACC__)
+#define KVCACHE_HOST_DEVICE __host__ __device__
+#else
+#define KVCACHE_HOST_DEVICE
+#endif
+
 namespace kvcache {
 
 /// Absolute position of a token in its sequence (0 = first token). Signed so that window

@@ -123,15 +123,6 @@ void dispatch_head_dim(int head_dim, F&& f) {
   }
 }
 
-/// @throws shape_error unless num_q_heads is a positive multiple of num_kv_heads.
-inline void check_heads(const char* what, int num_q_heads, int num_kv_heads) {
-  if (num_kv_heads < 1 || num_q_heads < 1 || num_q_heads % num_kv_heads != 0) {
-    throw shape_error(kvcache::detail::message(what, ": num_q_heads ", num_q_heads,
-                                               " is not a positive multiple of num_kv_heads ",
-                                               num_kv_heads));
-  }
-}
-
 /// The keys of one sequence that queries at positions >= qpos_min may see, as a logical list
 /// [0, sink_end) then [recent_begin, length) of present positions: the sinks (positions below
 /// the options' num_sink_tokens) and the window [qpos_min - window + 1, ...). Keys in the list

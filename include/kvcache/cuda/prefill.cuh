@@ -14,7 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvcache/cuda/decode.cuh"
+#include "kvcache/cuda/decode_common.cuh"
 #include "kvcache/cuda/kernels_common.cuh"
 #include "kvcache/cuda/runtime.cuh"
 #include "kvcache/cuda/view.cuh"
