@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Time to first token of the example engine: a request whose 2048-token prefix is already cached
-// plus a 64-token suffix, against the same 2112-token request with nothing cached, and against
-// prefilling the 64 tokens alone into an empty cache. Synthetic models, measured in one run.
+// Time to first token of the example engine: a request whose 2048-token prefix (or --prefix=N) is
+// already cached plus a 64-token suffix, against the same 2112-token request with nothing cached,
+// and against prefilling the 64 tokens alone into an empty cache. Synthetic models, one run.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -19,7 +19,8 @@
 
 namespace {
 
-constexpr std::size_t kPrefix = 2048, kSuffix = 64;
+constexpr std::size_t kSuffix = 64;
+std::size_t g_prefix = 2048;  // tokens of the cached prefix (--prefix=N)
 
 // The example shape, and two layers shaped like Llama-3-8B's (dim 4096, 32 heads of 128,
 // 8 KV heads, hidden 14336): what fraction of the FLOPs attention takes depends on the shape.
@@ -29,7 +30,7 @@ std::size_t g_threads = std::max(1u, std::thread::hardware_concurrency());
 std::size_t threads() { return g_threads; }
 
 /// One model at a time (the large one takes ~1.7 GiB), with its engine and a cache holding the
-/// 2048-token prefix.
+/// g_prefix-token prefix.
 struct Fixture {
   std::string spec;
   std::unique_ptr<kvcache::ThreadPool> pool;
@@ -52,22 +53,22 @@ struct Fixture {
           kvcache::StaticCacheConfig{.num_layers = config.num_layers,
                                      .num_kv_heads = config.num_kv_heads,
                                      .head_dim = config.head_dim(),
-                                     .max_seq_len = kPrefix + kSuffix});
-      f.tokens.resize(kPrefix + kSuffix);
+                                     .max_seq_len = g_prefix + kSuffix});
+      f.tokens.resize(g_prefix + kSuffix);
       for (std::size_t i = 0; i < f.tokens.size(); ++i) {
         f.tokens[i] = static_cast<llama::token_id>(3 + (i * 7919) % (config.vocab_size - 3));
       }
       // The cached request must give exactly the logits of the uncached one.
       const auto u = f.engine->forward(*f.cache, 0, f.tokens);
       const std::vector<float> uncached(u.begin(), u.end());
-      f.cache->crop(0, kPrefix);
+      f.cache->crop(0, g_prefix);
       const auto c = f.engine->forward(*f.cache, 0, f.suffix());
       f.logits_match = std::memcmp(c.data(), uncached.data(), uncached.size() * 4) == 0;
     }
     return f;
   }
   [[nodiscard]] std::span<const llama::token_id> suffix() const {
-    return std::span<const llama::token_id>(tokens).subspan(kPrefix);
+    return std::span<const llama::token_id>(tokens).subspan(g_prefix);
   }
 };
 
@@ -76,7 +77,7 @@ void report(benchmark::State& state, const Fixture& f, std::size_t tokens_run) {
   state.counters["logits_match"] = f.logits_match ? 1 : 0;
 }
 
-// The request with nothing cached: all 2112 tokens are prefilled.
+// The request with nothing cached: all g_prefix + 64 tokens are prefilled.
 void uncached(benchmark::State& state, const std::string& spec) {
   Fixture& f = Fixture::get(spec);
   for (auto _ : state) {
@@ -85,19 +86,19 @@ void uncached(benchmark::State& state, const std::string& spec) {
     state.ResumeTiming();
     benchmark::DoNotOptimize(f.engine->forward(*f.cache, 0, f.tokens).data());
   }
-  report(state, f, kPrefix + kSuffix);
+  report(state, f, g_prefix + kSuffix);
 }
 
-// The same request with its 2048-token prefix cached: only the 64-token suffix runs.
+// The same request with its g_prefix-token prefix cached: only the 64-token suffix runs.
 void cached(benchmark::State& state, const std::string& spec) {
   Fixture& f = Fixture::get(spec);
   for (auto _ : state) {
     state.PauseTiming();
-    if (f.cache->seq_length(0) < kPrefix) {
+    if (f.cache->seq_length(0) < g_prefix) {
       f.cache->reset(0);
-      f.engine->forward(*f.cache, 0, std::span<const llama::token_id>(f.tokens).first(kPrefix));
+      f.engine->forward(*f.cache, 0, std::span<const llama::token_id>(f.tokens).first(g_prefix));
     }
-    f.cache->crop(0, kPrefix);
+    f.cache->crop(0, g_prefix);
     state.ResumeTiming();
     benchmark::DoNotOptimize(f.engine->forward(*f.cache, 0, f.suffix()).data());
   }
@@ -116,8 +117,13 @@ void empty64(benchmark::State& state, const std::string& spec) {
   report(state, f, kSuffix);
 }
 
-std::string name(const char* kind, const std::string& spec) {
-  return std::string("TTFT/") + kind + "/" + spec;
+std::string name(const std::string& kind, const std::string& spec) {
+  return "TTFT/" + kind + "/" + spec;
+}
+// The runs' kinds: "uncached_2112" and "cached_2048+64" with the default prefix.
+std::string uncached_kind() { return "uncached_" + std::to_string(g_prefix + kSuffix); }
+std::string cached_kind() {
+  return "cached_" + std::to_string(g_prefix) + "+" + std::to_string(kSuffix);
 }
 
 /// FLOPs of one request: linear layers over `n` tokens plus attention of n queries ending at
@@ -140,7 +146,7 @@ Flops request_flops(const llama::ModelConfig& c, std::size_t n, std::size_t end)
 
 int main(int argc, char** argv) {
   // --synthetic=SPEC (repeatable) replaces the default model shapes; --threads=N (default: all
-  // hardware threads).
+  // hardware threads); --prefix=N (default 2048) the cached prefix's length.
   std::vector<char*> args;
   std::vector<std::string> specs;
   for (int i = 0; i < argc; ++i) {
@@ -148,6 +154,8 @@ int main(int argc, char** argv) {
       specs.emplace_back(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--threads=", 10) == 0) {
       g_threads = std::max(1, std::atoi(argv[i] + 10));
+    } else if (std::strncmp(argv[i], "--prefix=", 9) == 0) {
+      g_prefix = static_cast<std::size_t>(std::max(1, std::atoi(argv[i] + 9)));
     } else {
       args.push_back(argv[i]);
     }
@@ -155,10 +163,10 @@ int main(int argc, char** argv) {
   if (!specs.empty()) g_specs = specs;
   for (const std::string& spec : g_specs) {
     (void)llama::parse_synthetic_spec(spec);  // reject a bad spec before anything runs
-    benchmark::RegisterBenchmark(name("uncached_2112", spec).c_str(), uncached, spec)
+    benchmark::RegisterBenchmark(name(uncached_kind(), spec).c_str(), uncached, spec)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
-    benchmark::RegisterBenchmark(name("cached_2048+64", spec).c_str(), cached, spec)
+    benchmark::RegisterBenchmark(name(cached_kind(), spec).c_str(), cached, spec)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
         ->MinTime(2.0);
@@ -168,8 +176,8 @@ int main(int argc, char** argv) {
         ->MinTime(2.0);
   }
   int n = static_cast<int>(args.size());
-  std::printf("TTFT of a request with a 2048-token cached prefix + 64 new tokens, %zu threads\n",
-              threads());
+  std::printf("TTFT of a request with a %zu-token cached prefix + %zu new tokens, %zu threads\n",
+              g_prefix, kSuffix, threads());
   return kvcache::bench::run_with_summary(
       n, args.data(), [](const kvcache::bench::RatioReporter& r) {
         std::printf(
@@ -178,7 +186,7 @@ int main(int argc, char** argv) {
                     "empty 64", "speedup", "cached / empty", "attn share", "logits");
         for (const std::string& spec : g_specs) {
           // Run names carry decorations (/min_time:..., /real_time): match on the prefix.
-          const auto figure = [&](const char* kind, const char* counter) {
+          const auto figure = [&](const std::string& kind, const char* counter) {
             for (const auto& [run, figures] : r.all()) {
               if (run.rfind(name(kind, spec) + "/", 0) == 0 && figures.count(counter) != 0) {
                 return figures.at(counter);
@@ -186,21 +194,22 @@ int main(int argc, char** argv) {
             }
             return 0.0;
           };
-          const double u = figure("uncached_2112", "real_time_ns");  // in ms: the runs' unit
-          const double c = figure("cached_2048+64", "real_time_ns");
+          const double u = figure(uncached_kind(), "real_time_ns");  // in ms: the runs' unit
+          const double c = figure(cached_kind(), "real_time_ns");
           const double e = figure("empty_cache_64", "real_time_ns");
           if (u == 0 || c == 0 || e == 0) continue;
           const Flops fc =
-              request_flops(llama::parse_synthetic_spec(spec), kSuffix, kPrefix + kSuffix);
-          const bool match = figure("cached_2048+64", "logits_match") == 1;
+              request_flops(llama::parse_synthetic_spec(spec), kSuffix, g_prefix + kSuffix);
+          const bool match = figure(cached_kind(), "logits_match") == 1;
           std::printf("%-26s %8.1fms %8.1fms %8.1fms %8.1fx %15.3f %11.0f%% %8s\n", spec.c_str(), u,
                       c, e, u / c, c / e, 100 * fc.attention / (fc.attention + fc.linear),
                       match ? "same" : "DIFFER");
         }
         std::printf(
-            "attn share: attention's part of the cached request's FLOPs (its 64 queries see ~2080 "
+            "attn share: attention's part of the cached request's FLOPs (its %zu queries see ~%zu "
             "keys);\nthe empty-cache prefill has almost none, so cached / empty >= 1 + that share "
             "over\nthe linear part's. logits: the cached request's logits are bit-identical to the "
-            "uncached ones.\n");
+            "uncached ones.\n",
+            kSuffix, g_prefix + kSuffix / 2);
       });
 }
