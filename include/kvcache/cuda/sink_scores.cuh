@@ -79,8 +79,8 @@ template <Element T, int D>
 __global__ void sink_score_kernel(DeviceKVView<T> view, const float* __restrict__ q,
                                   const std::int32_t* __restrict__ q_offsets, DeviceRope rope,
                                   DeviceMask mask, float scale, float* __restrict__ out) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* qt = reinterpret_cast<float*>(smem);  // [D]: q of the row, then turned
+  extern __shared__ __align__(128) unsigned char smem[];  // as every kernel here declares it
+  float* qt = reinterpret_cast<float*>(smem);             // [D]: q of the row, then turned
   const int row_in_seq = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y),
             seq = static_cast<int>(blockIdx.z);
   const std::int64_t length = view.length[seq];
