@@ -37,6 +37,11 @@ void policies() {
   attend({q, 1, 1, d}, growing.view(0, 0), {out, 1, 1, d});
   attend({q, 1, 1, d}, sliding.view(0, 0), {out, 1, 1, d}, streaming);
   attend({q, 1, 1, d}, paged.view(0, 0), {out, 1, 1, d});
+  std::vector<half> q_half(d);
+  std::vector<bfloat16> out_bf16(d);
+  ThreadPool pool(2);
+  attend(TokenBlock<const half>{q_half, 1, 1, d}, growing.view(0, 0),
+         TokenBlock<bfloat16>{out_bf16, 1, 1, d}, {.pool = &pool});
   reference::attend({q, 1, 1, d}, sliding.view(0, 0), {out, 1, 1, d}, streaming);
   TokenTrackedCache<StaticCache<T>> tracked(
       StaticCache<T>({.num_layers = 1, .num_kv_heads = 1, .head_dim = d, .max_seq_len = 8}));

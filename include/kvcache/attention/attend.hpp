@@ -5,10 +5,12 @@
 
 #include <cstddef>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "kvcache/attention/cpu.hpp"
 #include "kvcache/attention/options.hpp"
+#include "kvcache/core/dtype.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -50,6 +52,17 @@ void attend(TokenBlock<const float> q, const V& view, TokenBlock<float> out,
   cpu::attend(q, view, out, opts);
 }
 
+/// attend() with queries (QT: [const] float, half or bfloat16) and output (O: float, half or
+/// bfloat16) of any element type, for engines whose activations are half: each q row is
+/// converted to fp32 once, in the kernel's own per-row buffer (no allocation), and each output
+/// row is rounded once at the end (nearest even; beyond the type's range inf, NaN stays NaN).
+/// The result is exactly that of attend() on q converted to float, rounded to O.
+template <class QT, KVView V, Element O>
+requires Element<std::remove_const_t<QT>>
+void attend(TokenBlock<QT> q, const V& view, TokenBlock<O> out, const AttentionOptions& opts = {}) {
+  cpu::attend(q, view, out, opts);
+}
+
 /// attend() returning a new [n][num_q_heads][head_dim] output (allocates it).
 template <KVView V>
 [[nodiscard]] std::vector<float> attend(TokenBlock<const float> q, const V& view,
@@ -60,10 +73,12 @@ template <KVView V>
 }
 
 /// attend() for many sequences in one call (e.g. batched decode): with opts.pool set, the work
-/// is spread over (sequence, KV head, query-row block). Each task carries its own query_pos;
-/// opts.query_pos is ignored.
-template <KVView V>
-void attend_batch(std::span<const AttentionTask<V>> tasks, const AttentionOptions& opts = {}) {
+/// is spread over (sequence, KV head, query-row block) on its threads (the same bits as without).
+/// Each task carries its own query_pos; opts.query_pos is ignored. Queries (Q) and output (O)
+/// float, half or bfloat16, as in attend().
+template <KVView V, Element Q, Element O>
+void attend_batch(std::span<const AttentionTask<V, Q, O>> tasks,
+                  const AttentionOptions& opts = {}) {
   cpu::attend_batch(tasks, opts);
 }
 

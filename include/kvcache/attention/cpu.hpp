@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // The fast CPU attention kernel: one pass over the cached K/V with an online (flash-attention)
 // softmax, tiles of kTile keys, all query heads of one KV head sharing every K/V row read, fp16 and
-// bf16 read directly. Work is split into (sequence, KV head, block of query rows) items that an
-// optional caller-owned ThreadPool runs in parallel. Over views of short segments (paged blocks)
-// one item sweeps several KV heads in lockstep, so that each block is read whole. The sweeps see
-// every view through ErasedView: they are compiled once per element type and kernel.
+// bf16 read directly. Work is split into (sequence, KV head, block of query rows) items that the
+// caller's executor (AttentionOptions::pool) may run in parallel. Over views of short segments
+// (paged blocks) one item sweeps several KV heads in lockstep, so that each block is read whole.
+// The sweeps see every view through ErasedView, and queries and output of any element type as
+// untyped rows: they are compiled once per K/V element type and kernel.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <limits>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "kvcache/attention/cpu_avx2.hpp"
@@ -23,6 +25,7 @@
 #include "kvcache/attention/options.hpp"
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/executor.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -111,12 +114,48 @@ struct PortableOps {
   }
 };
 
-/// One query row: head_dim floats of q, where its output goes, and its absolute position.
+/// One query row: head_dim elements of q and where its head_dim outputs go, each float, half or
+/// bfloat16 (q_type, out_type), and the row's absolute position. A sweep converts q to fp32 once
+/// when it starts and rounds the output once when it finishes (load_row, store_row), so that the
+/// sweeps are compiled once whatever the query and output types.
 struct Row {
-  const float* q;
-  float* out;
+  const void* q;
+  void* out;
   position_t pos;
+  DType q_type = DType::f32;
+  DType out_type = DType::f32;
 };
+
+/// The n elements of type `type` at `in`, converted to float into out (exact).
+inline void load_row(const void* in, DType type, float* out, std::size_t n) noexcept {
+  switch (type) {
+    case DType::f16:
+      convert_to_float(std::span(static_cast<const half*>(in), n), out);
+      return;
+    case DType::bf16:
+      convert_to_float(std::span(static_cast<const bfloat16*>(in), n), out);
+      return;
+    case DType::f32:
+      break;
+  }
+  convert_to_float(std::span(static_cast<const float*>(in), n), out);
+}
+
+/// The n floats at `in`, rounded to type `type` (nearest even; inf beyond the range, NaN kept)
+/// into out.
+inline void store_row(const float* in, DType type, void* out, std::size_t n) noexcept {
+  switch (type) {
+    case DType::f16:
+      convert_from_float(std::span(in, n), static_cast<half*>(out));
+      return;
+    case DType::bf16:
+      convert_from_float(std::span(in, n), static_cast<bfloat16*>(out));
+      return;
+    case DType::f32:
+      break;
+  }
+  convert_from_float(std::span(in, n), static_cast<float*>(out));
+}
 
 /// How a tile of keys relates to one query row under the mask.
 enum class TileCover { none, partial, full };
@@ -355,7 +394,9 @@ class Sweep {
         keys_(view, kv_head, visible_range(rows, num_rows, mask)),
         ahead_(keys_.for_head(ahead_head)) {
     for (std::size_t r = 0; r < num_rows; ++r) {
-      for (std::size_t x = 0; x < d_; ++x) qs_[r * d_ + x] = rows[r].q[x] * scale;
+      float* q = qs_ + r * d_;
+      load_row(rows[r].q, rows[r].q_type, q, d_);
+      for (std::size_t x = 0; x < d_; ++x) q[x] *= scale;
       std::fill(acc_ + r * d_, acc_ + (r + 1) * d_, 0.0f);
       row_max_[r] = -std::numeric_limits<float>::infinity();
       row_sum_[r] = 0.0f;
@@ -490,18 +531,22 @@ class Sweep {
   }
 
   /// Writes each row's output: zeros for a row that saw no key; NaN throughout for a row that
-  /// saw an inf or NaN (in q, or in a key's K or V row).
+  /// saw an inf or NaN (in q, or in a key's K or V row). A half or bfloat16 output is the fp32
+  /// row rounded once.
   void finish() const noexcept {
+    alignas(64) float staged[kMaxHeadDim];
     for (std::size_t r = 0; r < num_rows_; ++r) {
-      float* out = rows_[r].out;
+      const bool direct = rows_[r].out_type == DType::f32;
+      float* out = direct ? static_cast<float*>(rows_[r].out) : staged;
       // A seen V row's inf or NaN has left the accumulator non-finite (0 * inf is NaN too). The
       // check reads the accumulator, not the output just stored (store forwarding stalls).
       if (row_bad_[r] || Ops::nonfinite(acc_ + r * d_, d_)) {
         std::fill(out, out + d_, std::numeric_limits<float>::quiet_NaN());
-        continue;
+      } else {
+        const float inv = row_sum_[r] > 0.0f ? 1.0f / row_sum_[r] : 0.0f;
+        for (std::size_t x = 0; x < d_; ++x) out[x] = acc_[r * d_ + x] * inv;
       }
-      const float inv = row_sum_[r] > 0.0f ? 1.0f / row_sum_[r] : 0.0f;
-      for (std::size_t x = 0; x < d_; ++x) out[x] = acc_[r * d_ + x] * inv;
+      if (!direct) store_row(staged, rows_[r].out_type, rows_[r].out, d_);
     }
   }
 
@@ -652,15 +697,15 @@ struct TaskSplit {
 };
 
 /// Query rows per KV head of a task: its tokens x the query heads of one KV head.
-template <KVView V>
-[[nodiscard]] std::size_t rows_per_head(const AttentionTask<V>& t) noexcept {
+template <KVView V, Element Q, Element O>
+[[nodiscard]] std::size_t rows_per_head(const AttentionTask<V, Q, O>& t) noexcept {
   return t.q.num_tokens * (t.q.num_heads / t.view.num_kv_heads());
 }
 
 /// The most KV heads of task `t` one lockstep item can sweep: 1 unless its view is made of short
 /// segments (a paged view) and its rows fit one row block.
-template <KVView V>
-[[nodiscard]] std::size_t lockstep_heads(const AttentionTask<V>& t) noexcept {
+template <KVView V, Element Q, Element O>
+[[nodiscard]] std::size_t lockstep_heads(const AttentionTask<V, Q, O>& t) noexcept {
   const std::size_t rows = rows_per_head(t);
   const std::size_t segments = t.view.num_segments();
   if (rows == 0 || rows > kRowBlock || segments < 2) return 1;
@@ -673,30 +718,64 @@ template <KVView V>
 }
 
 /// The split of task `t` when lockstep items hold at most `width` KV heads.
-template <KVView V>
-[[nodiscard]] TaskSplit task_split(const AttentionTask<V>& t, std::size_t width) noexcept {
+template <KVView V, Element Q, Element O>
+[[nodiscard]] TaskSplit task_split(const AttentionTask<V, Q, O>& t, std::size_t width) noexcept {
   const std::size_t heads = std::min(width, lockstep_heads(t));
   if (heads > 1) return {heads, 1};
   return {1, (rows_per_head(t) + kRowBlock - 1) / kRowBlock};
 }
 
 /// Work items of one task: KV heads x blocks of kRowBlock rows.
-template <KVView V>
-[[nodiscard]] std::size_t task_items(const AttentionTask<V>& t) noexcept {
+template <KVView V, Element Q, Element O>
+[[nodiscard]] std::size_t task_items(const AttentionTask<V, Q, O>& t) noexcept {
   return task_split(t, 1).items(t.view.num_kv_heads());
 }
 
+/// One task as run_item sees it: its view erased (ErasedView) and its queries and output untyped,
+/// with their element types (see Row), so that run_item and the sweeps are compiled once per K/V
+/// element type, not again per view, query or output type. Valid while the task is.
+template <Element T>
+struct ErasedTask {
+  ErasedView<T> view;
+  const void* q;  // [num_tokens][num_q_heads][head_dim] elements of q_type
+  void* out;      // the same shape, of out_type
+  DType q_type;
+  DType out_type;
+  std::size_t num_tokens;
+  std::size_t num_q_heads;
+
+  template <KVView V, Element Q, Element O>
+  explicit ErasedTask(const AttentionTask<V, Q, O>& t) noexcept
+      : view(t.view),
+        q(t.q.data.data()),
+        out(t.out.data.data()),
+        q_type(dtype_of<Q>),
+        out_type(dtype_of<O>),
+        num_tokens(t.q.num_tokens),
+        num_q_heads(t.q.num_heads) {}
+
+  /// Byte offset of row (token, q_head) in a block of element type `type`.
+  [[nodiscard]] std::size_t offset(std::size_t token, std::size_t q_head,
+                                   DType type) const noexcept {
+    return (token * num_q_heads + q_head) * view.head_dim() * dtype_bytes(type);
+  }
+  /// Row (token, q_head) of the queries and of the output.
+  [[nodiscard]] Row row(std::size_t token, std::size_t q_head, position_t pos) const noexcept {
+    return {static_cast<const std::byte*>(q) + offset(token, q_head, q_type),
+            static_cast<std::byte*>(out) + offset(token, q_head, out_type), pos, q_type, out_type};
+  }
+};
+
 /// Runs work item `item` of task `t` split as `split`: KV heads [item / blocks * heads, + heads),
 /// row block item % blocks, with micro-kernels `kernel` (avx512, avx2 or portable). Rows are
-/// ordered token-major (row = token * group + head-in-group). Takes the view erased, so that the
-/// sweeps are compiled once per element type, not once per view type.
+/// ordered token-major (row = token * group + head-in-group).
 template <Element T>
-void run_item(Kernel kernel, const AttentionTask<ErasedView<T>>& t, const TaskSplit& split,
-              position_t first_pos, std::size_t item, const kvcache::detail::Mask& mask,
-              float scale, float softcap) noexcept {
+void run_item(Kernel kernel, const ErasedTask<T>& t, const TaskSplit& split, position_t first_pos,
+              std::size_t item, const kvcache::detail::Mask& mask, float scale,
+              float softcap) noexcept {
   const std::size_t heads = t.view.num_kv_heads();
-  const std::size_t group = t.q.num_heads / heads;
-  const std::size_t rows_per = rows_per_head(t);
+  const std::size_t group = t.num_q_heads / heads;
+  const std::size_t rows_per = t.num_tokens * group;
   const std::size_t head0 = item / split.blocks * split.heads;
   const std::size_t row0 = (item % split.blocks) * kRowBlock;
   const std::size_t num_rows = std::min(kRowBlock, rows_per - row0);
@@ -706,8 +785,7 @@ void run_item(Kernel kernel, const AttentionTask<ErasedView<T>>& t, const TaskSp
     for (std::size_t r = 0; r < num_rows; ++r) {
       const std::size_t token = (row0 + r) / group;
       const std::size_t q_head = (head0 + h) * group + (row0 + r) % group;
-      rows[h * num_rows + r] = {t.q.row(token, q_head), t.out.row(token, q_head),
-                                first_pos + static_cast<position_t>(token)};
+      rows[h * num_rows + r] = t.row(token, q_head, first_pos + static_cast<position_t>(token));
     }
   }
   switch (kernel) {
@@ -727,8 +805,8 @@ void run_item(Kernel kernel, const AttentionTask<ErasedView<T>>& t, const TaskSp
 /// The lockstep width of a call: the widest that still gives every thread its share. Items of
 /// `width` heads take about `width` head sweeps each; among widths with the shortest critical
 /// path (items per thread x width) the widest wins.
-template <KVView V>
-[[nodiscard]] std::size_t lockstep_width(std::span<const AttentionTask<V>> tasks,
+template <KVView V, Element Q, Element O>
+[[nodiscard]] std::size_t lockstep_width(std::span<const AttentionTask<V, Q, O>> tasks,
                                          std::size_t threads) noexcept {
   std::size_t widest = 1;
   for (const auto& t : tasks) widest = std::max(widest, lockstep_heads(t));
@@ -749,9 +827,10 @@ template <KVView V>
   return best;
 }
 
-/// Runs every task with micro-kernels `kernel` (avx512, avx2 or portable).
-template <KVView V>
-void run_tasks(Kernel kernel, std::span<const AttentionTask<V>> tasks,
+/// Runs every task with micro-kernels `kernel` (avx512, avx2 or portable), on opts.pool's threads
+/// when the call is large enough.
+template <KVView V, Element Q, Element O>
+void run_tasks(Kernel kernel, std::span<const AttentionTask<V, Q, O>> tasks,
                std::span<const position_t> first_pos, const AttentionOptions& opts) {
   using T = typename V::value_type;
   const kvcache::detail::Mask mask = kvcache::detail::Mask::of(opts);
@@ -761,10 +840,10 @@ void run_tasks(Kernel kernel, std::span<const AttentionTask<V>> tasks,
   }
   constexpr std::size_t kMinParallelWork = std::size_t{1} << 16;
   const bool parallel = opts.pool != nullptr && total_work >= kMinParallelWork;
-  const std::size_t width = lockstep_width(tasks, parallel ? opts.pool->num_threads() : 1);
+  const std::size_t width = lockstep_width(tasks, parallel ? opts.pool.num_threads() : 1);
   std::size_t total_items = 0;
   for (const auto& t : tasks) total_items += task_split(t, width).items(t.view.num_kv_heads());
-  auto run = [&](std::size_t global) {
+  auto run = [&](std::size_t global) noexcept {
     std::size_t i = 0;
     TaskSplit split;
     for (;; ++i) {
@@ -776,11 +855,10 @@ void run_tasks(Kernel kernel, std::span<const AttentionTask<V>> tasks,
     const auto& t = tasks[i];
     const float scale =
         opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(t.view.head_dim()));
-    const AttentionTask<ErasedView<T>> erased{t.q, ErasedView<T>(t.view), t.out, t.query_pos};
-    run_item(kernel, erased, split, first_pos[i], global, mask, scale, opts.softcap);
+    run_item(kernel, ErasedTask<T>(t), split, first_pos[i], global, mask, scale, opts.softcap);
   };
-  if (parallel && total_items > 1) {
-    opts.pool->parallel_for(total_items, run);
+  if (parallel) {
+    opts.pool.parallel_for(total_items, run);
   } else {
     for (std::size_t i = 0; i < total_items; ++i) run(i);
   }
@@ -817,13 +895,14 @@ void run_tasks(Kernel kernel, std::span<const AttentionTask<V>> tasks,
 }
 
 /// Fast attention for a batch of sequences, each task's queries against its own view
-/// (see kvcache::attend for the semantics). Parallel over (task, KV head, row block) when
-/// opts.pool is set and the call is large enough to pay for waking the workers.
-/// Never allocates. O(sum over tasks of visible keys x num_q_heads x head_dim).
+/// (see kvcache::attend for the semantics; queries and output float, half or bfloat16). Parallel
+/// over (task, KV head, row block) on opts.pool when it is set and the call is large enough to
+/// pay for waking the workers; the result is the same bits with or without it.
+/// Never allocates (up to 256 tasks). O(sum over tasks of visible keys x num_q_heads x head_dim).
 /// @throws shape_error, position_error as kvcache::attend; shape_error when head_dim exceeds
 ///         kMaxHeadDim, or when `kernel` is avx2 and the CPU or head_dim (% 8) does not allow it.
-template <KVView V>
-void attend_batch(std::span<const AttentionTask<V>> tasks, const AttentionOptions& opts = {},
+template <KVView V, Element Q, Element O>
+void attend_batch(std::span<const AttentionTask<V, Q, O>> tasks, const AttentionOptions& opts = {},
                   Kernel kernel = Kernel::automatic) {
   constexpr std::size_t kMaxStackTasks = 256;
   position_t first_small[kMaxStackTasks];
@@ -868,6 +947,18 @@ void attend(TokenBlock<const float> q, const V& view, TokenBlock<float> out,
             const AttentionOptions& opts = {}, Kernel kernel = Kernel::automatic) {
   const AttentionTask<V> task{q, view, out, opts.query_pos};
   attend_batch(std::span<const AttentionTask<V>>(&task, 1), opts, kernel);
+}
+
+/// attend_batch() for one sequence, queries (QT: [const] float, half or bfloat16) and output (O)
+/// of any element type: q is converted to fp32 once per row and the output rounded once (nearest
+/// even), so the result equals the float attend of q converted to float, rounded to O.
+template <class QT, KVView V, Element O>
+requires Element<std::remove_const_t<QT>>
+void attend(TokenBlock<QT> q, const V& view, TokenBlock<O> out, const AttentionOptions& opts = {},
+            Kernel kernel = Kernel::automatic) {
+  using Task = AttentionTask<V, std::remove_const_t<QT>, O>;
+  const Task task{q, view, out, opts.query_pos};
+  attend_batch(std::span<const Task>(&task, 1), opts, kernel);
 }
 
 }  // namespace kvcache::cpu

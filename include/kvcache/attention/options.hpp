@@ -11,9 +11,10 @@
 
 #include "kvcache/attention/rope.hpp"
 #include "kvcache/core/config.hpp"
+#include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/executor.hpp"
 #include "kvcache/core/tensor.hpp"
-#include "kvcache/core/thread_pool.hpp"
 #include "kvcache/core/view.hpp"
 
 namespace kvcache {
@@ -51,8 +52,10 @@ struct AttentionOptions {
   /// Position of the first query token (queries are consecutive). Default: the last
   /// q.num_tokens positions of the view, i.e. view.length() - q.num_tokens.
   std::optional<position_t> query_pos = std::nullopt;
-  /// Executor for the fast CPU kernel (nullptr: run on the calling thread only).
-  ThreadPool* pool = nullptr;
+  /// The threads the fast CPU kernel may use, borrowed for the call: `&pool` for a ThreadPool
+  /// (core/thread_pool.hpp) or any other ExecutorConcept type, or an Executor made from a function
+  /// pointer (an OpenMP loop, say). nullptr: the calling thread only.
+  Executor pool = nullptr;
   /// How the sinks' positions enter q . k (see PositionMode).
   PositionMode positions = PositionMode::absolute;
   /// The RoPE q and K were rotated with, for head_dim of the call; needed by cache_relative
@@ -61,12 +64,13 @@ struct AttentionOptions {
 };
 
 /// One sequence of a batched attention call: queries [n][num_q_heads][head_dim] against one
-/// view, output of the same shape as the queries.
-template <KVView V>
+/// view, output of the same shape as the queries. Queries and output may be float, half or
+/// bfloat16 (Q and O, independently; see kvcache::attend).
+template <KVView V, Element Q = float, Element O = float>
 struct AttentionTask {
-  TokenBlock<const float> q;
+  TokenBlock<const Q> q;
   V view;
-  TokenBlock<float> out;
+  TokenBlock<O> out;
   /// As AttentionOptions::query_pos, for this task.
   std::optional<position_t> query_pos = std::nullopt;
 };
@@ -169,10 +173,9 @@ inline position_t check_query_positions(position_t n, std::optional<position_t> 
 /// Checks one attention call and returns the position of its first query.
 /// @throws shape_error (buffer sizes, head_dim, head counts, bad scale/softcap/window use),
 ///         position_error (a query needs a key position the view does not hold).
-template <KVView V>
-position_t check_attention(const TokenBlock<const float>& q, const V& view,
-                           const TokenBlock<float>& out, const AttentionOptions& opts,
-                           std::optional<position_t> query_pos) {
+template <Element Q, KVView V, Element O>
+position_t check_attention(const TokenBlock<const Q>& q, const V& view, const TokenBlock<O>& out,
+                           const AttentionOptions& opts, std::optional<position_t> query_pos) {
   q.validate("attend: queries");
   out.validate("attend: output");
   if (q.head_dim != view.head_dim()) {

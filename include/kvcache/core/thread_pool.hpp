@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// ThreadPool: the one executor kvcache's parallel functions accept. The caller creates and owns
-// it (there is no global pool and no hidden thread); parallel_for runs on the caller plus the
-// pool's workers.
+// ThreadPool: kvcache's ready-made executor, for engines without threads of their own (any
+// ExecutorConcept type will do, see core/executor.hpp). The caller creates and owns it (there is
+// no global pool and no hidden thread); parallel_for runs on the caller plus the pool's workers.
 #pragma once
 
 #include <atomic>
@@ -15,10 +15,12 @@
 #include <vector>
 
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/executor.hpp"
 
 namespace kvcache {
 
-/// A fixed set of worker threads for parallel_for. Thread-safe: concurrent parallel_for calls
+/// A fixed set of worker threads for parallel_for. Models ExecutorConcept: `opts.pool = &pool`
+/// hands it to an attention call as an Executor. Thread-safe: concurrent parallel_for calls
 /// from several threads are serialised. Not reentrant: calling parallel_for from inside f runs
 /// the nested loop serially on the calling thread instead of deadlocking.
 class ThreadPool {
@@ -142,5 +144,7 @@ class ThreadPool {
   bool stop_ = false;
   std::exception_ptr error_;
 };
+
+static_assert(ExecutorConcept<ThreadPool>);
 
 }  // namespace kvcache
