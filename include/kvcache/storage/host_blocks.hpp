@@ -1,0 +1,112 @@
+// SPDX-License-Identifier: Apache-2.0
+// HostBlocks: the K/V bytes of a paged cache in host memory, and the three things a BlockManager
+// asks of them: write an append's rows, copy a block (copy-on-write), fill a restored block.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+
+#include "kvcache/core/buffer.hpp"
+#include "kvcache/core/cache_concept.hpp"
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/restore.hpp"
+#include "kvcache/core/tensor.hpp"
+#include "kvcache/prefix/types.hpp"
+
+namespace kvcache {
+
+/// num_blocks blocks of block_size tokens of every layer, in one 64-byte-aligned allocation laid
+/// out [layer][block][K, V][kv_head][block_size][head_dim]: a layer's blocks form one array (what
+/// a GPU kernel takes with a block table), a block's K and V of one layer are block_elems()
+/// elements, and a segment's heads are block_size * head_dim apart. Knows nothing of tables or
+/// sequences: the caller names blocks. Not thread-safe by itself: concurrent calls must touch
+/// different blocks (BlockManager's rules guarantee it).
+template <Element T>
+class HostBlocks {
+ public:
+  HostBlocks() = default;
+  /// @throws capacity_error when the size overflows (naming `name`); std::bad_alloc.
+  HostBlocks(const CacheShape& shape, std::size_t num_blocks, std::size_t block_size,
+             const char* name)
+      : shape_(shape), block_size_(block_size) {
+    block_elems_ = kv_cache_bytes(1, shape.num_kv_heads, shape.head_dim, block_size, 1);
+    layer_elems_ = detail::checked_mul(num_blocks, block_elems_, name);
+    storage_ = AlignedBuffer<T>(
+        kv_cache_bytes(shape, detail::checked_mul(num_blocks, block_size, name)) / sizeof(T));
+  }
+
+  /// Layer `layer`'s first block.
+  [[nodiscard]] const T* layer_base(std::size_t layer) const noexcept {
+    return storage_.data() + layer * layer_elems_;
+  }
+  /// Elements from one block of a layer to the next (its K and V).
+  [[nodiscard]] std::size_t block_elems() const noexcept { return block_elems_; }
+  /// Bytes of every block of every layer.
+  [[nodiscard]] std::size_t bytes() const noexcept { return storage_.bytes(); }
+
+  /// Writes tokens [position, position + k.num_tokens) of one layer into the blocks of `table`
+  /// (entry i holding positions [i * block_size, (i + 1) * block_size)), converting to T.
+  template <class U>
+  void write_rows(std::size_t layer, const block_id* table, std::size_t position,
+                  const TokenBlock<const U>& k, const TokenBlock<const U>& v) noexcept {
+    const std::size_t d = shape_.head_dim, head_elems = block_size_ * d;
+    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
+    for (std::size_t done = 0; done < k.num_tokens;) {
+      const std::size_t pos = position + done;
+      const std::size_t in_block = pos % block_size_;
+      const std::size_t run = std::min(k.num_tokens - done, block_size_ - in_block);
+      T* base = block(layer, table[pos / block_size_]);
+      for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
+        T* kdst = base + h * head_elems + in_block * d;
+        detail::store_rows(kdst, k, done, run, h);
+        detail::store_rows(kdst + v_offset, v, done, run, h);
+      }
+      done += run;
+    }
+  }
+
+  /// Copies the first rows(l) rows (of block_size) of every layer l from block `from` into `to`.
+  template <class Rows>
+  void copy_block(block_id from, block_id to, Rows&& rows) noexcept {
+    const std::size_t d = shape_.head_dim, head_elems = block_size_ * d;
+    for (std::size_t l = 0; l < shape_.num_layers; ++l) {
+      const std::size_t n = rows(l);
+      if (n == 0) continue;
+      const T* src = block(l, from);
+      T* dst = block(l, to);
+      for (std::size_t h = 0; h < 2 * shape_.num_kv_heads; ++h) {  // K heads, then V heads
+        std::copy_n(src + h * head_elems, n * d, dst + h * head_elems);
+      }
+    }
+  }
+
+  /// Fills block `b` of e.layer with e's positions [first, first + block_size) that it holds:
+  /// block `index` of a sequence restored from `e` (whose K/V is packed, PagedCache holding
+  /// every position). @pre e.sink_end == e.recent_begin == 0.
+  void fill_block(const LayerRestore<T>& e, std::size_t index, block_id b) noexcept {
+    const std::size_t n = e.held(), first = index * block_size_;
+    if (first >= n) return;
+    const std::size_t head_elems = block_size_ * shape_.head_dim;
+    const std::size_t rows = std::min(block_size_, n - first);
+    T* base = block(e.layer, b);
+    detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, rows, shape_);
+    detail::copy_packed_rows(base + shape_.num_kv_heads * head_elems, head_elems, 0, e.v.data(), n,
+                             first, rows, shape_);
+  }
+
+ private:
+  [[nodiscard]] T* block(std::size_t layer, block_id b) noexcept {
+    return storage_.data() + layer * layer_elems_ + std::size_t{b} * block_elems_;
+  }
+  [[nodiscard]] const T* block(std::size_t layer, block_id b) const noexcept {
+    return storage_.data() + layer * layer_elems_ + std::size_t{b} * block_elems_;
+  }
+
+  CacheShape shape_{};
+  std::size_t block_size_ = 1;
+  std::size_t block_elems_ = 0;  // one block of one layer: K and V
+  std::size_t layer_elems_ = 0;  // all blocks of one layer
+  AlignedBuffer<T> storage_;
+};
+
+}  // namespace kvcache
