@@ -8,6 +8,7 @@
 // K/V and eviction pressure are all in the mix; each configuration runs several seeds. At the end
 // every block is free or cached with no references.
 #include <algorithm>
+#include <cstdint>
 #include <iostream>
 #include <map>
 #include <string>
@@ -49,6 +50,7 @@ class Model {
     std::size_t num_ids = 0;        // registered
     std::vector<std::size_t> len;   // per layer
     std::size_t committed = 0;
+    std::uint64_t salt = 0;  // the extra key it was admitted under
   };
   /// What an operation needing blocks would do: nothing missing, evictions, or an error.
   struct Need {
@@ -76,25 +78,32 @@ class Model {
     return seqs_[s].table.empty() && seqs_[s].num_ids == 0 && seqs_[s].len[0] == 0;
   }
 
-  [[nodiscard]] std::size_t match(std::span<const token_id> ids) const {
+  // The index key of the first n ids under a salt: the salt as a (negative) pseudo-id, then the
+  // ids, so that equal ids under two salts are two keys.
+  [[nodiscard]] static std::vector<token_id> key(std::uint64_t salt, std::span<const token_id> ids,
+                                                 std::size_t n) {
+    std::vector<token_id> k{-1 - static_cast<token_id>(salt)};
+    k.insert(k.end(), ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(n));
+    return k;
+  }
+
+  [[nodiscard]] std::size_t match(std::span<const token_id> ids, std::uint64_t salt) const {
     if (!p_.caching) return 0;
     std::size_t m = 0;
     while ((m + 1) * p_.block_size <= ids.size() &&
-           index.count(
-               {ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>((m + 1) * p_.block_size)}))
+           index.count(key(salt, ids, (m + 1) * p_.block_size)))
       ++m;
     return m;
   }
 
-  std::size_t admit(std::size_t s, const std::vector<token_id>& prompt) {
+  std::size_t admit(std::size_t s, const std::vector<token_id>& prompt, std::uint64_t salt) {
     Seq& q = seqs_[s];
-    const std::size_t m = match(prompt);
+    const std::size_t m = match(prompt, salt);
     const std::size_t cached_tokens =
         std::min(m * p_.block_size, prompt.empty() ? 0 : prompt.size() - 1);
     const std::size_t nb = (cached_tokens + p_.block_size - 1) / p_.block_size;
     for (std::size_t i = 0; i < nb; ++i) {
-      const long b = index.at(
-          {prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>((i + 1) * p_.block_size)});
+      const long b = index.at(key(salt, prompt, (i + 1) * p_.block_size));
       ++blocks.at(b).refs;
       q.table.push_back(b);
     }
@@ -102,6 +111,7 @@ class Model {
     prompt_tokens += prompt.size();
     reused += cached_tokens;
     q.planned = prompt;
+    q.salt = salt;
     q.num_ids = prompt.size();
     q.len.assign(layers_, cached_tokens);
     q.committed = cached_tokens / p_.block_size;
@@ -298,9 +308,7 @@ class Model {
     const std::size_t shareable =
         std::min({src.num_ids / p_.block_size, nb, shortest / p_.block_size + 1});
     for (std::size_t i = 0; i < shareable; ++i) {
-      const auto it =
-          index.find({src.planned.begin(),
-                      src.planned.begin() + static_cast<std::ptrdiff_t>((i + 1) * p_.block_size)});
+      const auto it = index.find(key(src.salt, src.planned, (i + 1) * p_.block_size));
       if (it == index.end()) break;
       out.push_back(it->second);
     }
@@ -329,9 +337,7 @@ class Model {
         q.committed = i + 1;
         continue;
       }
-      std::vector<token_id> prefix(
-          q.planned.begin(),
-          q.planned.begin() + static_cast<std::ptrdiff_t>((i + 1) * p_.block_size));
+      std::vector<token_id> prefix = key(q.salt, q.planned, (i + 1) * p_.block_size);
       const auto it = index.find(prefix);
       if (it != index.end()) {
         ++blocks.at(it->second).refs;
@@ -366,6 +372,7 @@ void check_sequence(const Cache& cache, const Model& model, std::size_t s) {
   INFO("sequence " << s);
   REQUIRE(
       std::ranges::equal(cache.tokens(s), std::span<const token_id>(q.planned).first(q.num_ids)));
+  REQUIRE(cache.extra_key(s) == q.salt);
   REQUIRE(cache.block_table(s).size() == q.table.size());
   for (std::size_t l = 0; l < kLayers; ++l) {
     REQUIRE(cache.layer_length(l, s) == q.len[l]);
@@ -457,6 +464,12 @@ void run_model_seed(const Params& p, const std::string& name) {
       ids.push_back(static_cast<token_id>(uniform(rng, 1, 3)));
     return ids;
   };
+  // Most prompts under no salt, some under one of two tenants' salts (a tenant may well send the
+  // same prompt as the others: it must not share their blocks).
+  const auto random_salt = [&]() -> std::uint64_t {
+    const std::size_t r = uniform(rng, 0, 5);
+    return r < 3 ? 0 : r == 3 ? 7 : 0x8000000000000001ull;
+  };
   std::map<std::string, int> done;
   for (int step = 0; step < p.steps; ++step) {
     const std::size_t s = uniform(rng, 0, p.max_batch - 1);
@@ -466,8 +479,10 @@ void run_model_seed(const Params& p, const std::string& name) {
     if (op <= 1) {  // admit
       if (!model.empty(s)) continue;
       const auto prompt = random_prompt();
-      REQUIRE(cache.match_prefix(prompt) == model.match(prompt) * p.block_size);
-      REQUIRE(cache.admit(s, prompt) == model.admit(s, prompt));
+      const std::uint64_t salt = random_salt();
+      REQUIRE(cache.match_prefix(prompt, salt) == model.match(prompt, salt) * p.block_size);
+      REQUIRE(cache.admit(s, prompt, salt) == model.admit(s, prompt, salt));
+      if (salt != 0) ++done["admit under a salt"];
       ++done["admit"];
     } else if (op <= 5) {  // append to one layer, or to every layer (a forward pass)
       const std::size_t n = uniform(rng, 1, p.block_size * 2 + 1);
@@ -592,7 +607,8 @@ void run_model_seed(const Params& p, const std::string& name) {
       const std::size_t k = uniform(rng, 0, 2);
       REQUIRE(cache.evict_cached(k) == model.evict_cached(k));
       const auto probe = random_prompt();
-      REQUIRE(cache.match_prefix(probe) == model.match(probe) * p.block_size);
+      const std::uint64_t salt = random_salt();
+      REQUIRE(cache.match_prefix(probe, salt) == model.match(probe, salt) * p.block_size);
       ++done["evict"];
     }
     check_all(cache, model, p.max_batch, false);
@@ -603,6 +619,7 @@ void run_model_seed(const Params& p, const std::string& name) {
   for (const auto& [what, n] : done) std::cerr << "  " << name << ": " << what << " x" << n << "\n";
   // the operations that the checks above are about did happen
   REQUIRE(done["admit"] > 0);
+  REQUIRE(done["admit under a salt"] > 0);
   REQUIRE(done["fork"] > 0);
   REQUIRE(done["reorder"] > 0);
   REQUIRE(done["append with ids"] > 0);

@@ -133,3 +133,42 @@ TEMPLATE_TEST_CASE("PrefixIndex agrees with a map of whole prefixes over random 
     REQUIRE(index.size() == model.size());
   }
 }
+
+namespace {
+
+template <class Hasher>
+void keyed_answers() {
+  PrefixIndex<Hasher> index(8, 2);
+  const std::vector<token_id> a{1, 2}, b{3, 4};
+  constexpr std::uint64_t kSalt = 0xfeed;
+  index.insert(1, kNoBlock, a);         // [1 2] under no key
+  index.insert(4, kNoBlock, a, kSalt);  // [1 2] under kSalt: the same ids, another node
+  index.insert(5, 4, b, kSalt);         // [1 2][3 4] under kSalt
+  REQUIRE(index.find(kNoBlock, a) == 1);
+  REQUIRE(index.find(kNoBlock, a, kSalt) == 4);
+  REQUIRE(index.find(kNoBlock, a, kSalt + 1) == kNoBlock);
+  REQUIRE(index.find(4, b, kSalt) == 5);
+  REQUIRE(index.find(4, b) == kNoBlock);  // the right parent, the wrong key
+  REQUIRE(index.extra_key(5) == kSalt);
+  REQUIRE(index.extra_key(1) == 0);
+  const std::vector<token_id> prompt{1, 2, 3, 4};
+  REQUIRE(index.matched_blocks(prompt) == 1);
+  REQUIRE(index.matched_blocks(prompt, kSalt) == 2);
+  REQUIRE(index.matched_blocks(prompt, 1) == 0);
+  std::vector<block_id> out(2, kNoBlock);
+  REQUIRE(index.match(prompt, out, kSalt) == 2);
+  REQUIRE(out == std::vector<block_id>{4, 5});
+  index.erase(5);
+  index.erase(4);
+  REQUIRE(index.matched_blocks(prompt, kSalt) == 0);
+  REQUIRE(index.matched_blocks(prompt) == 1);
+}
+
+}  // namespace
+
+TEST_CASE("PrefixIndex finds a block only under the extra key it was indexed with") {
+  REQUIRE(root_block_hash(0) == kRootBlockHash);
+  REQUIRE(root_block_hash(1) != root_block_hash(2));
+  keyed_answers<DefaultBlockHasher>();
+  keyed_answers<CollidingHasher>();  // every hash equal: the key comparison alone decides
+}

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <span>
 #include <vector>
@@ -49,6 +50,9 @@ struct SequenceTokens {
   /// after its n_keep, whose K/V still carries the context it dropped. A PagedCache shares and
   /// indexes no block past it (PagedCache::exact_prefix()); a TokenTrackedCache ignores it.
   std::size_t exact_prefix = std::numeric_limits<std::size_t>::max();
+  /// The key its blocks are shared and indexed under (PagedCache::admit()'s extra_key: a cache
+  /// salt, an adapter id); 0 for none. A TokenTrackedCache ignores it.
+  std::uint64_t extra_key = 0;
 };
 
 namespace detail {

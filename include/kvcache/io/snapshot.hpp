@@ -341,6 +341,7 @@ struct SavePlan {
     std::vector<snapshot_format::LayerState> layers;
     std::span<const token_id> tokens;
     std::size_t exact_prefix = std::numeric_limits<std::size_t>::max();
+    std::uint64_t extra_key = 0;
   };
   std::vector<Seq> seqs;
   std::vector<std::uint64_t> section_sizes;  // in file order
@@ -373,6 +374,7 @@ struct SavePlan {
       if constexpr (requires { cache.exact_prefix(ids[i]); }) {
         s.exact_prefix = cache.exact_prefix(ids[i]);
       }
+      if constexpr (requires { cache.extra_key(ids[i]); }) s.extra_key = cache.extra_key(ids[i]);
       s.layers.reserve(shape.num_layers);
       for (std::size_t l = 0; l < shape.num_layers; ++l) {
         const auto view = cache.view(l, ids[i]);
@@ -381,6 +383,7 @@ struct SavePlan {
       section_sizes.push_back(kSequenceFixedBytes + kLayerStateBytes * shape.num_layers +
                               sizeof(token_id) * s.tokens.size());
       if (s.exact_prefix < s.tokens.size()) section_sizes.push_back(kExactPrefixBytes);
+      if (s.extra_key != 0) section_sizes.push_back(kExtraKeyBytes);
       for (const LayerState& st : s.layers) {
         section_sizes.push_back(kLayerKvHeaderBytes + 2 * st.held() * row_bytes);
       }
@@ -482,6 +485,13 @@ void write_snapshot(Sink& sink, const C& cache, const ModelId& model_id, const S
       put(std::span<std::byte>(exact), 0, std::uint64_t{s.exact_prefix});
       emit(exact);
       end_section(SectionKind::exact_prefix);
+    }
+    if (s.extra_key != 0) {
+      begin_section();
+      std::array<std::byte, kExtraKeyBytes> key{};
+      put(std::span<std::byte>(key), 0, std::uint64_t{s.extra_key});
+      emit(key);
+      end_section(SectionKind::extra_key);
     }
     for (std::size_t l = 0; l < shape.num_layers; ++l) {
       begin_section();
@@ -646,7 +656,8 @@ SnapshotInfo load_aligned(std::span<const std::byte> bytes, C& cache, const Mode
       tokens.push_back({.seq = dest[i],
                         .ids = ids[i],
                         .exact_prefix = static_cast<std::size_t>(
-                            std::min<std::uint64_t>(s.exact_prefix, s.num_token_ids))});
+                            std::min<std::uint64_t>(s.exact_prefix, s.num_token_ids)),
+                        .extra_key = s.extra_key});
     }
   }
   SnapshotInfo info = make_info(p, bytes);

@@ -55,7 +55,8 @@ static_assert(std::endian::native == std::endian::little,
 /// section i, the padding in between is zero, and the last payload ends at file_bytes.
 ///
 /// Section order: META first; then for each saved sequence its SEQUENCE section, its
-/// EXACT_PREFIX section if it has one, and num_layers LAYER_KV sections in layer order. Optional
+/// EXACT_PREFIX section if it has one, its EXTRA_KEY section if it has one, and num_layers
+/// LAYER_KV sections in layer order. Optional
 /// sections may appear anywhere after META. Every policy, the paged cache (policy 4) included, uses
 /// exactly these sections: a paged snapshot stores each sequence's positions and token ids, not the
 /// pool's block layout, which the loader rebuilds in the destination's pool. Kinds 4 and 5 stay
@@ -108,6 +109,14 @@ static_assert(std::endian::native == std::endian::little,
 ///                              positions follows from their ids; the loader shares and indexes
 ///                              no block past it. A reader that does not know kind 6 refuses the
 ///                              file (the kind is required) rather than share moved K/V.
+///
+/// EXTRA_KEY payload (kind 7, required), 8 bytes, only for a PagedCache sequence admitted under
+/// an extra key (PagedCache::extra_key() not 0: a cache salt, an adapter id); files without one
+/// read the same as before this kind existed:
+///     0    8  extra_key        not 0: the key the loader shares and indexes the sequence's
+///                              blocks under. A reader that does not know kind 7 refuses the
+///                              file (the kind is required) rather than share the sequence's
+///                              blocks with prompts of another key.
 ///
 /// LAYER_KV payload, 64 + 2 * num_kv_heads * held * head_dim * dtype_bytes bytes:
 ///     0    8  sequence_record  0-based index of the SEQUENCE section this layer belongs to
@@ -168,6 +177,7 @@ inline constexpr std::size_t kSequenceFixedBytes = 16;
 inline constexpr std::size_t kLayerStateBytes = 24;
 inline constexpr std::size_t kLayerKvHeaderBytes = 64;
 inline constexpr std::size_t kExactPrefixBytes = 8;
+inline constexpr std::size_t kExtraKeyBytes = 8;
 inline constexpr std::size_t kModelIdMaxBytes = 64;
 inline constexpr std::uint32_t kFlagOptional = 1;
 inline constexpr std::uint32_t kMetaFlagTokenIds = 1;
@@ -197,6 +207,7 @@ enum class SectionKind : std::uint32_t {
   sequence = 2,
   layer_kv = 3,
   exact_prefix = 6,
+  extra_key = 7,
   // 4, 5: reserved (e.g. a dump of a paged cache's block pool and prefix index); a paged
   // snapshot (policy 4) needs neither.
 };
@@ -244,6 +255,8 @@ struct Sequence {
   std::uint64_t token_ids_offset = 0;  // file offset of the first i32 id
   /// From an EXACT_PREFIX section; UINT64_MAX (all) without one.
   std::uint64_t exact_prefix = std::numeric_limits<std::uint64_t>::max();
+  /// From an EXTRA_KEY section; 0 (none) without one.
+  std::uint64_t extra_key = 0;
   std::vector<std::uint64_t> kv_offset;  // per layer: file offset of K (V follows K)
 
   /// File offset of layer l's 24-byte state.
@@ -610,21 +623,34 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
       }
       seq.layers[l] = st;
     }
-    if (next < sections.size() && sections[next].kind == SectionKind::exact_prefix) {
-      const Section& es = sections[next++];
+    // The paged-only sections of 8 bytes that may follow a SEQUENCE: the offset of the value, or
+    // 0 when the next section is not of `kind`.
+    auto paged_u64_section = [&](SectionKind kind, const char* what) -> std::uint64_t {
+      if (next == sections.size() || sections[next].kind != kind) return 0;
+      const Section& s = sections[next++];
       if (!is_paged) {
-        fail<snapshot_format_error>(name, es.offset, "EXACT_PREFIX section in a snapshot of a ",
+        fail<snapshot_format_error>(name, s.offset, what, " section in a snapshot of a ",
                                     snapshot_policy_name(out.policy), ", which has none");
       }
-      if (es.size != kExactPrefixBytes) {
-        fail<snapshot_format_error>(name, es.offset, "EXACT_PREFIX section of sequence ", seq.seq,
-                                    " is ", es.size, " bytes, expected ", kExactPrefixBytes);
+      if (s.size != 8) {
+        fail<snapshot_format_error>(name, s.offset, what, " section of sequence ", seq.seq, " is ",
+                                    s.size, " bytes, expected 8");
       }
-      seq.exact_prefix = get<std::uint64_t>(bytes, es.offset);
+      return s.offset;
+    };
+    static_assert(kExactPrefixBytes == 8 && kExtraKeyBytes == 8);
+    if (const std::uint64_t at = paged_u64_section(SectionKind::exact_prefix, "EXACT_PREFIX")) {
+      seq.exact_prefix = get<std::uint64_t>(bytes, at);
       if (seq.exact_prefix >= seq.num_token_ids) {
-        fail<snapshot_format_error>(name, es.offset, "exact_prefix ", seq.exact_prefix,
-                                    " of sequence ", seq.seq, " is not below its ",
-                                    seq.num_token_ids, " token ids");
+        fail<snapshot_format_error>(name, at, "exact_prefix ", seq.exact_prefix, " of sequence ",
+                                    seq.seq, " is not below its ", seq.num_token_ids, " token ids");
+      }
+    }
+    if (const std::uint64_t at = paged_u64_section(SectionKind::extra_key, "EXTRA_KEY")) {
+      seq.extra_key = get<std::uint64_t>(bytes, at);
+      if (seq.extra_key == 0) {
+        fail<snapshot_format_error>(name, at, "EXTRA_KEY section of sequence ", seq.seq,
+                                    " holds key 0, which is written as no section");
       }
     }
     seq.kv_offset.resize(layers);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -97,11 +98,23 @@ class RestorePlan;
 /// to an indexed block of the same ids. crop() to at most exact_prefix() makes the sequence
 /// exact again; release() forgets it; fork() and reorder() pass it on; snapshots keep it.
 ///
-/// Prefix index (see PrefixIndex): a trie of committed blocks keyed by (parent block, ids),
-/// through a chained hash, every hit confirmed by comparing ids. admit() walks it and shares the
-/// longest match. When the last holder of an indexed block lets go it stays indexed as *cached*
-/// (evictable); eviction takes the least recently released cached block, a block's cached
-/// children before it (SharedBlocks); check_consistency() verifies the order.
+/// Prefix index (see PrefixIndex): a trie of committed blocks keyed by (parent block, ids,
+/// extra key), through a chained hash, every hit confirmed by comparing ids and key. admit() walks
+/// it and shares the longest match. When the last holder of an indexed block lets go it stays
+/// indexed as *cached* (evictable); eviction takes the least recently released cached block, a
+/// block's cached children before it (SharedBlocks); check_consistency() verifies the order.
+///
+/// Cache salt. admit() takes an *extra key* (0 by default) that the sequence's blocks are
+/// matched and indexed under: a sequence shares blocks only with prompts admitted under the same
+/// key. Use it to keep tenants apart (a per-user or per-tenant salt: vLLM's cache_salt) and to
+/// keep apart K/V that equal ids do not make equal (a LoRA adapter's id, a different model
+/// revision's). Why tenants need it: a prefix hit is visible to the requester as a shorter time
+/// to first token, so without salts one user can probe whether another recently sent a given
+/// prompt, block by block. Requests under one salt share freely; under different salts they
+/// never share, at the cost of computing the same prefix once per salt. The key stays with the
+/// sequence through crop, fork, reorder, context shift and snapshots; release() forgets it. A
+/// sequence started without admit() has key 0. A string salt can be hashed to a key (any good
+/// 64-bit hash; two salts with one key share).
 ///
 /// Pool exhaustion: an operation that needs more blocks than are free throws
 /// pool_exhausted_error (a capacity_error naming blocks needed, free and evictable) and changes
@@ -196,6 +209,11 @@ class BlockManager {
     detail::check_seq(name_, seq, max_batch());
     return seqs_.record(seq).exact;
   }
+  /// The extra key `seq` was admitted under (see "Cache salt"); 0 for none. @throws batch_error.
+  [[nodiscard]] std::uint64_t extra_key(std::size_t seq) const {
+    detail::check_seq(name_, seq, max_batch());
+    return seqs_.record(seq).extra_key;
+  }
   /// The blocks `seq` holds, in position order. Valid until its next mutating call.
   /// @throws batch_error.
   [[nodiscard]] std::span<const block_id> block_table(std::size_t seq) const {
@@ -279,13 +297,15 @@ class BlockManager {
   }
 
   /// Starts the empty sequence `seq` with `prompt`: registers its ids and shares the blocks of
-  /// the longest cached prefix. Returns m, the number of leading prompt tokens every layer now
-  /// holds: a multiple of block_size, except that m < prompt.size() always (when the whole
-  /// prompt is cached, its last token is left to run, for its logits). Never allocates.
-  /// O(prompt.size() + num_layers) (with the default hasher).
+  /// the longest prefix cached under `extra_key` (see "Cache salt"), which the sequence keeps.
+  /// Returns m, the number of leading prompt tokens every layer now holds: a multiple of
+  /// block_size, except that m < prompt.size() always (when the whole prompt is cached, its last
+  /// token is left to run, for its logits). Never allocates. O(prompt.size() + num_layers) (with
+  /// the default hasher).
   /// @throws batch_error; position_error when seq is not empty; capacity_error when the prompt
   ///         exceeds max_seq_len. Unchanged on throw.
-  [[nodiscard]] std::size_t admit(std::size_t seq, std::span<const token_id> prompt) {
+  [[nodiscard]] std::size_t admit(std::size_t seq, std::span<const token_id> prompt,
+                                  std::uint64_t extra_key = 0) {
     detail::check_seq(name_, seq, max_batch());
     require_empty("admit to", seq);
     if (prompt.size() > max_seq_len()) {
@@ -299,8 +319,8 @@ class BlockManager {
     {
       std::lock_guard lock(shared_->mutex);
       if (prefix_caching_) {
-        const std::size_t m =
-            shared_->index.match(prompt, std::span<block_id>(table, seqs_.max_blocks_per_seq()));
+        const std::size_t m = shared_->index.match(
+            prompt, std::span<block_id>(table, seqs_.max_blocks_per_seq()), extra_key);
         cached = std::min(m * block_size_, prompt.empty() ? 0 : prompt.size() - 1);
         s.num_blocks = (cached + block_size_ - 1) / block_size_;
         for (std::size_t i = 0; i < s.num_blocks; ++i) shared_->pool.acquire(table[i]);
@@ -313,16 +333,18 @@ class BlockManager {
     s.num_tokens = prompt.size();
     s.committed = cached / block_size_;
     s.exact = SequenceTable::kAllExact;
+    s.extra_key = extra_key;
     std::ranges::fill(seqs_.lengths(seq), cached);
     return cached;
   }
 
-  /// How many leading tokens of `ids` are cached right now: a multiple of block_size. Changes
-  /// nothing (statistics included). O(ids.size()) with the default hasher.
-  [[nodiscard]] std::size_t match_prefix(std::span<const token_id> ids) const {
+  /// How many leading tokens of `ids` are cached right now under `extra_key`: a multiple of
+  /// block_size. Changes nothing (statistics included). O(ids.size()) with the default hasher.
+  [[nodiscard]] std::size_t match_prefix(std::span<const token_id> ids,
+                                         std::uint64_t extra_key = 0) const {
     if (!prefix_caching_) return 0;
     std::lock_guard lock(shared_->mutex);
-    return shared_->index.matched_blocks(ids) * block_size_;
+    return shared_->index.matched_blocks(ids, extra_key) * block_size_;
   }
 
   /// Registers the ids of the tokens at positions tokens(seq).size() .. + ids.size() - 1, ahead
@@ -429,13 +451,13 @@ class BlockManager {
       if (index.contains(b)) continue;  // shared through admit/fork: indexed under this prefix
       const block_id parent = i == 0 ? kNoBlock : table[i - 1];
       const std::span<const token_id> block_ids(ids + i * block_size_, block_size_);
-      const block_id existing = index.find(parent, block_ids);
+      const block_id existing = index.find(parent, block_ids, s.extra_key);
       if (existing != kNoBlock) {
         pool.acquire(existing);
         pool.release(b);
         table[i] = existing;
       } else if (pool.ref_count(b) == 1) {
-        index.insert(b, parent, block_ids);
+        index.insert(b, parent, block_ids, s.extra_key);
         pool.mark_indexed(b);
       } else {
         break;

@@ -65,6 +65,10 @@ std::string BlockManager<Hasher>::check_consistency() const {
           return message("sequence ", q, " holds indexed block ", std::size_t{b}, " at ", i,
                          " past its ", s.exact, " positions of exact K/V");
         }
+        if (index.extra_key(b) != s.extra_key) {
+          return message("sequence ", q, " holds indexed block ", std::size_t{b}, " at ", i,
+                         " of extra key ", index.extra_key(b), " under its key ", s.extra_key);
+        }
         if (index.parent(b) != (i == 0 ? kNoBlock : table[i - 1])) {
           return message("sequence ", q, " holds indexed block ", std::size_t{b}, " at ", i,
                          " after another block than its parent");
@@ -84,7 +88,7 @@ std::string BlockManager<Hasher>::check_consistency() const {
       if (i < s.committed) {
         const block_id parent = i == 0 ? kNoBlock : table[i - 1];
         const std::span<const token_id> block_ids(ids + i * block_size_, block_size_);
-        if (!index.contains(b) || index.find(parent, block_ids) != b) {
+        if (!index.contains(b) || index.find(parent, block_ids, s.extra_key) != b) {
           return message("sequence ", q, " committed block ", i, " (", std::size_t{b},
                          ") is not indexed under its prefix");
         }
@@ -107,12 +111,15 @@ std::string BlockManager<Hasher>::check_consistency() const {
       return message("block ", b, " index membership disagrees with its state");
     }
     if (!index.contains(id)) continue;
-    if (index.find(index.parent(id), index.tokens(id)) != id) {
+    if (index.find(index.parent(id), index.tokens(id), index.extra_key(id)) != id) {
       return message("indexed block ", b, " is not found under its own key");
     }
     const block_id parent = index.parent(id);
     if (parent != kNoBlock) {
       if (!index.contains(parent)) return message("indexed block ", b, " has a lost parent");
+      if (index.extra_key(parent) != index.extra_key(id)) {
+        return message("indexed block ", b, " has another extra key than its parent");
+      }
       ++children[parent];
       if (cached && lru_rank[parent] != 0 && lru_rank[parent] < lru_rank[b]) {
         return message("cached block ", b, " would be evicted after its parent");

@@ -50,17 +50,17 @@ class RestorePlan {
 /// Replaces every *named* sequence (one that an extent or `tokens` names) by the one described;
 /// other sequences are untouched. A named sequence's previous blocks are released (as release()
 /// would); its leading blocks whose ids it has and that equal a block already indexed (same
-/// prefix, same ids, as admit() would match) or a block full in every layer, with its ids, of
-/// another sequence named in the same call share that block, their rows not filled again (so
-/// sequences that shared a prefix when saved share it again, in a pool of the same size). Only
-/// blocks every restored layer fills are shared, and at most one more after them (as admit() of a
-/// wholly cached prompt leaves it); blocks further on are filled fresh, so that no later write
+/// prefix, same ids, same extra key, as admit() would match) or a block full in every layer, with
+/// its ids, of another sequence named in the same call share that block, their rows not filled
+/// again (so sequences that shared a prefix when saved share it again, in a pool of the same size).
+/// Only blocks every restored layer fills are shared, and at most one more after them (as admit()
+/// of a wholly cached prompt leaves it); blocks further on are filled fresh, so that no later write
 /// copies a shared block whose child the sequence keeps. Fresh blocks are taken from the pool for
-/// the rest of the positions of its longest restored layer; its ids are registered (those
-/// `tokens` gives it; none if it gives none), and a layer without an extent is left empty. Ids
-/// may run ahead of the K/V (as after admit()), never behind. end_restore() then runs the normal
-/// commit path: the fresh blocks that are full in every layer and have their ids are indexed, so
-/// a restored prefix serves prefix hits once released.
+/// the rest of the positions of its longest restored layer; its ids and extra key are registered
+/// (those `tokens` gives it; none and 0 if it gives none), and a layer without an extent is left
+/// empty. Ids may run ahead of the K/V (as after admit()), never behind. end_restore() then runs
+/// the normal commit path: the fresh blocks that are full in every layer and have their ids are
+/// indexed, so a restored prefix serves prefix hits once released.
 ///
 /// Blocks: the named sequences need the sum over them of ceil(longest restored layer /
 /// block_size) blocks less those shared. Available are the free blocks plus those the replaced
@@ -183,21 +183,22 @@ RestorePlan BlockManager<Hasher>::begin_restore(std::span<const RestoreExtent> e
     for (std::size_t q = 0; q < max_batch; ++q) {
       if (committable[q] == 0) continue;
       const std::span<const token_id> ids(ids_of[q]->ids);
+      const std::uint64_t key = ids_of[q]->extra_key;
       const std::size_t m = scratch.match(ids.first(committable[q] * block_size_),
-                                          std::span<block_id>(path).first(committable[q]));
+                                          std::span<block_id>(path).first(committable[q]), key);
       head_end[q] = m;
       for (std::size_t i = m; i < committable[q]; ++i) {
         path[i] = static_cast<block_id>(holder.size());
         holder.push_back(q);
         scratch.insert(path[i], i == 0 ? kNoBlock : path[i - 1],
-                       ids.subspan(i * block_size_, block_size_));
+                       ids.subspan(i * block_size_, block_size_), key);
       }
     }
     for (std::size_t q = 0; q < max_batch; ++q) {
       if (shareable[q] == 0) continue;
       const std::size_t m =
           scratch.match(std::span<const token_id>(ids_of[q]->ids).first(shareable[q] * block_size_),
-                        std::span<block_id>(path).first(shareable[q]));
+                        std::span<block_id>(path).first(shareable[q]), ids_of[q]->extra_key);
       for (std::size_t i = 0; i < m; ++i) first_holder[at[q] + i] = holder[path[i]];
       tail_end[q] = m;
     }
@@ -215,7 +216,7 @@ RestorePlan BlockManager<Hasher>::begin_restore(std::span<const RestoreExtent> e
       if (shareable[q] != 0) {
         num_shared[q] = shared_->index.match(
             std::span<const token_id>(ids_of[q]->ids).first(shareable[q] * block_size_),
-            std::span<block_id>(matched).subspan(at[q], shareable[q]));
+            std::span<block_id>(matched).subspan(at[q], shareable[q]), ids_of[q]->extra_key);
         num_matched += num_shared[q];
       }
       // A block the index has is that one for every sequence reaching it.
@@ -282,6 +283,7 @@ RestorePlan BlockManager<Hasher>::begin_restore(std::span<const RestoreExtent> e
       s.num_tokens = ids_of[q]->ids.size();
       if (ids_of[q]->exact_prefix < s.num_tokens) s.exact = ids_of[q]->exact_prefix;
     }
+    s.extra_key = ids_of[q] != nullptr ? ids_of[q]->extra_key : 0;
     std::copy_n(length.begin() + static_cast<std::ptrdiff_t>(q * num_layers), num_layers,
                 seqs_.lengths(q).begin());
   }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <span>
 #include <vector>
@@ -40,6 +41,8 @@ class SequenceTable {
     /// Leading positions whose K/V follows from their ids alone (BlockManager "Moved K/V"): no
     /// block past it is shared through the index or indexed.
     std::size_t exact = kAllExact;
+    /// The key its blocks are indexed and matched under (BlockManager "Cache salt"); 0: none.
+    std::uint64_t extra_key = 0;
   };
 
   /// The lengths of a sequence's shortest and longest layer.

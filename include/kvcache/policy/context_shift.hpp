@@ -232,7 +232,10 @@ void context_shift(C& cache, std::size_t seq, std::size_t n_keep, std::size_t n_
     if constexpr (requires { cache.exact_prefix(seq); }) {
       exact = std::min(exact, cache.exact_prefix(seq));
     }
-    const SequenceTokens tokens[] = {{.seq = seq, .ids = ids, .exact_prefix = exact}};
+    std::uint64_t extra_key = 0;
+    if constexpr (requires { cache.extra_key(seq); }) extra_key = cache.extra_key(seq);
+    const SequenceTokens tokens[] = {
+        {.seq = seq, .ids = ids, .exact_prefix = exact, .extra_key = extra_key}};
     cache.restore(all, tokens);
   } else {
     cache.restore(all);

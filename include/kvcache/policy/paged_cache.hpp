@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -108,7 +109,7 @@ static_assert(KVView<PagedView<float>>);
 /// reference counts, copy-on-write, fork/reorder, the prefix index, eviction, locking) over
 /// HostBlocks (the bytes). Its rules are the manager's; read BlockManager's comment for
 /// "Sequences and blocks", "Token ids and commitment", "Where indexed blocks sit", "Moved K/V",
-/// the prefix index, pool exhaustion and thread safety. In short:
+/// the prefix index, "Cache salt", pool exhaustion and thread safety. In short:
 ///  - a sequence's block table lists the blocks holding its positions; layers fill
 ///    independently; a write into a block another sequence holds or the index holds copies it
 ///    first (copy-on-write);
@@ -118,6 +119,9 @@ static_assert(KVView<PagedView<float>>);
 ///    freely and is never indexed;
 ///  - a block full in every layer whose ids are registered is committed and indexed, so later
 ///    prompts (admit()) share it; hits are confirmed id by id;
+///  - admit() takes an optional extra key (a cache salt per tenant, an adapter id): prompts
+///    share blocks only under the same key ("Cache salt": a hit shortens time to first token,
+///    which another tenant could measure);
 ///  - an operation that lacks blocks throws pool_exhausted_error and changes nothing, unless
 ///    evict_when_full lets it evict cached blocks, least recently released first.
 ///
@@ -231,23 +235,31 @@ class PagedCache {
   // ---- Prefix caching (PrefixCacheConcept) -----------------------------------------------
 
   /// Starts the empty sequence `seq` with `prompt`: registers its ids and shares the blocks of
-  /// the longest cached prefix. Returns m, the number of leading prompt tokens whose K/V every
-  /// layer now holds: a multiple of block_size, except that m < prompt.size() always (when the
-  /// whole prompt is cached, its last token is left to run, for its logits). The caller appends
-  /// K/V for prompt[m..] layer by layer; those blocks are indexed as they complete. Never
-  /// allocates. O(prompt.size() + num_layers) (with the default hasher).
+  /// the longest prefix cached under `extra_key` (0: none; a tenant's cache salt or an adapter
+  /// id, see BlockManager "Cache salt"), which the sequence keeps: its own blocks are indexed
+  /// under it, so only prompts admitted under the same key share them. Returns m, the number of
+  /// leading prompt tokens whose K/V every layer now holds: a multiple of block_size, except that m
+  /// < prompt.size() always (when the whole prompt is cached, its last token is left to run, for
+  /// its logits). The caller appends K/V for prompt[m..] layer by layer; those blocks are indexed
+  /// as they complete. Never allocates. O(prompt.size() + num_layers) (with the default hasher).
   /// @post seq_length(seq) == m, tokens(seq) == prompt.
   /// @throws batch_error; position_error when seq is not empty; capacity_error when the prompt
   ///         exceeds max_seq_len. Unchanged on throw.
-  [[nodiscard]] std::size_t admit(std::size_t seq, std::span<const token_id> prompt) {
-    return manager_.admit(seq, prompt);
+  [[nodiscard]] std::size_t admit(std::size_t seq, std::span<const token_id> prompt,
+                                  std::uint64_t extra_key = 0) {
+    return manager_.admit(seq, prompt, extra_key);
   }
 
-  /// How many leading tokens of `ids` are cached right now: a multiple of block_size. Changes
-  /// nothing (statistics included). O(ids.size()) with the default hasher.
-  [[nodiscard]] std::size_t match_prefix(std::span<const token_id> ids) const {
-    return manager_.match_prefix(ids);
+  /// How many leading tokens of `ids` are cached right now under `extra_key`: a multiple of
+  /// block_size. Changes nothing (statistics included). O(ids.size()) with the default hasher.
+  [[nodiscard]] std::size_t match_prefix(std::span<const token_id> ids,
+                                         std::uint64_t extra_key = 0) const {
+    return manager_.match_prefix(ids, extra_key);
   }
+
+  /// The extra key `seq` was admitted under; 0 for none (or after release()).
+  /// @throws batch_error.
+  [[nodiscard]] std::uint64_t extra_key(std::size_t seq) const { return manager_.extra_key(seq); }
 
   /// Registers the ids of the tokens at positions tokens(seq).size() .. + ids.size() - 1, ahead
   /// of their K/V (see "Token ids and commitment"), then indexes the blocks this completes.
