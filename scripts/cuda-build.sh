@@ -16,4 +16,5 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DKVCACHE_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" \
   -DKVCACHE_FETCH_DEPENDENCIES=OFF -DKVCACHE_BUILD_TESTS=ON -DKVCACHE_BUILD_BENCH=ON \
   -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_CHECK_HEADERS=OFF -DCMAKE_CUDA_FLAGS=-lineinfo "$@"
-cmake --build "$build" --target test.cuda.cuda_kernels_test cuda_attention_bench
+cmake --build "$build" --target test.cuda.cuda_kernels_test test.cuda.device_paged_test \
+  cuda_attention_bench

@@ -30,10 +30,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 if [ "${1:-}" = "--prebuilt" ]; then
   bin="${2:?--prebuilt needs the directory of the staged binaries}"
   test_bin="$bin/test.cuda.cuda_kernels_test"
+  paged_bin="$bin/test.cuda.device_paged_test"
   bench_bin="$bin/cuda_attention_bench"
   export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # the staged CUDA runtime
-  echo "=== [$((SECONDS - start))s] CUDA tests (prebuilt $test_bin)"
+  echo "=== [$((SECONDS - start))s] CUDA tests (prebuilt $test_bin, $paged_bin)"
   "$test_bin" || tests_rc=$?
+  "$paged_bin" || tests_rc=$?
 else
   build="${1:-build/cuda}"
   prefix_path="${CMAKE_PREFIX_PATH:-}"
@@ -42,6 +44,7 @@ else
   echo "=== [$((SECONDS - start))s] CUDA tests"
   ctest --test-dir "$build" -L '^cuda$' --output-on-failure || tests_rc=$?
   test_bin="$build/tests/cuda/test.cuda.cuda_kernels_test"
+  paged_bin="$build/tests/cuda/test.cuda.device_paged_test"
   bench_bin="$build/bench/cuda_attention_bench"
 fi
 echo "=== [$((SECONDS - start))s] CUDA benchmark"
@@ -61,6 +64,8 @@ else
     echo "=== [$((SECONDS - start))s] compute-sanitizer --tool $tool"
     rc=0
     "$sanitizer" --tool "$tool" --error-exitcode 86 "$test_bin" "$sanitized" || rc=$?
+    # the paged cache's copy-on-write and table updates (one binary of its own)
+    [ "$rc" = 0 ] && { "$sanitizer" --tool "$tool" --error-exitcode 86 "$paged_bin" || rc=$?; }
     if [ "$rc" = 86 ]; then
       sanitize_rc=86  # hazards or memory errors (racecheck counts its warnings too)
     elif [ "$rc" != 0 ]; then

@@ -17,7 +17,8 @@ bash scripts/cuda-build.sh "$build" -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ 
 
 rm -rf .gpu
 mkdir -p .gpu/bin .gpu/deps/include .gpu/deps/lib/cmake
-cp "$build/tests/cuda/test.cuda.cuda_kernels_test" "$build/bench/cuda_attention_bench" .gpu/bin/
+cp "$build/tests/cuda/test.cuda.cuda_kernels_test" "$build/tests/cuda/test.cuda.device_paged_test" \
+  "$build/bench/cuda_attention_bench" .gpu/bin/
 cudart=$(ldd .gpu/bin/cuda_attention_bench | awk '/libcudart/ {print $3}')
 [ -n "$cudart" ] && cp -L "$cudart" .gpu/bin/
 

@@ -597,8 +597,8 @@ TEST_CASE("CUDA launchers and DeviceCache reject bad input with the numbers", "[
   const std::vector<std::size_t> seq0{0}, seq1{1}, n40{40}, n20{20}, n70{70};
   dev.append(0, seq0, n40, kv.data(), kv.data(), nullptr);  // 3 blocks: pool now empty
   require_throws<kvcache::capacity_error>(
-      [&] { dev.append(0, seq1, n20, kv.data(), kv.data(), nullptr); }, "needs 2 new blocks",
-      "0 free of 3");
+      [&] { dev.append(0, seq1, n20, kv.data(), kv.data(), nullptr); }, "needs 2 blocks",
+      "has 0 free");
   require_throws<kvcache::capacity_error>(
       [&] { dev.append(0, seq0, n70, kv.data(), kv.data(), nullptr); }, "max_seq_len 64",
       "holds 40");

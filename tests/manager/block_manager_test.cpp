@@ -40,21 +40,32 @@ class LabelStorage {
     return cells_[(layer * p_.num_blocks + b) * p_.block_size + slot];
   }
 
-  void append(BlockManager<>& m, std::size_t layer, std::size_t seq,
-              const std::vector<token_id>& ids) {
-    const auto plan = m.begin_append(layer, seq, ids.size(), ids.data());
-    for (const BlockCopy& c : plan.copies) {
-      for (std::size_t l = 0; l < p_.layers; ++l) {
-        for (std::size_t r = 0; r < m.block_rows(seq, l, c.index); ++r) {
-          at(l, c.to, r) = at(l, c.from, r);
+  // Appends ids[i] to seqs[i] of `layer` for every i, as one batch.
+  void append(BlockManager<>& m, std::size_t layer, const std::vector<std::size_t>& seqs,
+              const std::vector<std::vector<token_id>>& ids) {
+    std::vector<AppendRequest> requests;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      requests.push_back({seqs[i], ids[i].size(), ids[i].data()});
+    }
+    std::vector<BlockManager<>::AppendPlan> plans(seqs.size());
+    m.begin_append(layer, requests, plans);
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      for (const BlockCopy& c : plans[i].copies) {
+        for (std::size_t l = 0; l < p_.layers; ++l) {
+          for (std::size_t r = 0; r < m.block_rows(seqs[i], l, c.index); ++r) {
+            at(l, c.to, r) = at(l, c.from, r);
+          }
         }
       }
     }
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      const std::size_t pos = plan.position + i;
-      at(layer, plan.table[pos / p_.block_size], pos % p_.block_size) = label(layer, pos, ids[i]);
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      for (std::size_t t = 0; t < ids[i].size(); ++t) {
+        const std::size_t pos = plans[i].position + t;
+        at(layer, plans[i].table[pos / p_.block_size], pos % p_.block_size) =
+            label(layer, pos, ids[i][t]);
+      }
     }
-    m.end_append(plan);
+    m.end_append(plans);
   }
 
   // Restores into `dst` what `src` holds (its lengths and ids), as a snapshot load would.
@@ -156,15 +167,23 @@ void run(const Params& p, std::mt19937_64& rng, int steps) {
           }
           break;
         case 1:
-        case 2: {  // append with ids: registered ones where the layer is behind, then new ones
-          const std::size_t layer = pick(p.layers), len = m.layer_length(layer, seq);
-          const auto held = m.tokens(seq);
-          if (held.empty() && m.seq_length(seq) != 0) break;
-          std::vector<token_id> ids = some_ids(1 + pick(p.block_size + 2));
-          for (std::size_t i = 0; i < ids.size() && len + i < held.size(); ++i) {
-            ids[i] = held[len + i];
+        case 2: {  // append with ids: registered ones where the layer is behind, then new ones;
+                   // to one sequence, or to a batch of them at once
+          const std::size_t layer = pick(p.layers);
+          std::vector<std::size_t> seqs;
+          std::vector<std::vector<token_id>> ids;
+          for (std::size_t q = 0; q < p.max_batch; ++q) {
+            if (q != seq && (pick(2) == 0 || seqs.size() == 3)) continue;
+            const std::size_t len = m.layer_length(layer, q);
+            const auto held = m.tokens(q);
+            if (held.empty() && m.seq_length(q) != 0) continue;
+            ids.push_back(some_ids(1 + pick(p.block_size + 2)));
+            for (std::size_t i = 0; i < ids.back().size() && len + i < held.size(); ++i) {
+              ids.back()[i] = held[len + i];
+            }
+            seqs.push_back(q);
           }
-          storage.append(m, layer, seq, ids);
+          if (!seqs.empty()) storage.append(m, layer, seqs, ids);
           break;
         }
         case 3:
@@ -253,5 +272,18 @@ TEST_CASE("BlockManager names its owner in errors and refuses bad input unchange
   CHECK(m.stats().blocks_free == 2);
   CHECK(m.seq_length(0) == 0);
   CHECK(m.tokens(0).empty());
+  // a batch fails whole: each request alone fits, both together do not
+  const AppendRequest both[] = {{0, 3, ids.data()}, {1, 3, ids.data()}};
+  BlockManager<>::AppendPlan plans[2];
+  try {
+    m.begin_append(0, both, plans);
+    FAIL("two sequences of two blocks each fit a pool of two");
+  } catch (const pool_exhausted_error& e) {
+    CHECK(std::string(e.what()).starts_with("DeviceCache: append of 6 tokens to 2 sequences"));
+  }
+  const AppendRequest twice[] = {{1, 1, ids.data()}, {1, 1, ids.data()}};
+  CHECK_THROWS_AS(m.begin_append(0, twice, plans), shape_error);
+  CHECK(m.stats().blocks_free == 2);
+  CHECK(m.seq_length(1) == 0);
   CHECK(m.check_consistency() == "");
 }

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // DeviceCache: K/V storage in GPU memory in the layouts of the CPU policies — contiguous
-// (StaticCache), ring with sinks (SlidingWindowCache) and paged (a block pool with block tables) —
-// with the bookkeeping kept on the host, so every check happens before a launch. Appends scatter a
-// batch of sequences' new tokens in one launch; metadata reaches the device through kernel
-// parameters (no host-to-device copies, no hidden synchronisation).
+// (StaticCache), ring with sinks (SlidingWindowCache) and paged (PagedCache's BlockManager, so
+// prefix caching, fork, reorder and eviction) — with the bookkeeping kept on the host, so every
+// check happens before a launch. Appends scatter a batch of sequences' new tokens in one launch;
+// metadata reaches the device through kernel parameters (no host-to-device copies, no hidden
+// synchronisation).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -14,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <span>
 #include <tuple>
 #include <vector>
@@ -21,8 +23,12 @@
 #include "kvcache/attention/options.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/prefix_cache_concept.hpp"
+#include "kvcache/cuda/cache_kernels.cuh"
+#include "kvcache/cuda/paged_tables.cuh"
 #include "kvcache/cuda/runtime.cuh"
 #include "kvcache/cuda/view.cuh"
+#include "kvcache/manager/block_manager.hpp"
 
 namespace kvcache::cuda {
 
@@ -42,101 +48,25 @@ struct DeviceCacheConfig {
   /// paged: tokens per block and blocks in the pool (shared by all sequences and layers).
   std::size_t block_size = 16;
   std::size_t num_blocks = 0;
+  /// paged: as PagedCacheConfig. Only sequences with token ids (admit(), append with ids) are
+  /// indexed for later prompts; sequences without ids are never shared.
+  bool enable_prefix_caching = true;
+  bool evict_when_full = false;
 };
-
-/// Most sequences one append launch covers (its metadata travels as kernel parameters, which
-/// CUDA 12.1+ allows up to 32 764 bytes on Volta and later); larger batches take several launches.
-inline constexpr int kMaxSeqsPerLaunch = 512;
-/// Bytes of kernel parameters a launch may pass (CUDA 12.1+, sm_70+), less room for the others.
-inline constexpr std::size_t kMaxParamBatchBytes = 32764 - 512;
-
-namespace detail {
-
-struct AppendBatch {
-  int num_seqs = 0;
-  std::int32_t seq[kMaxSeqsPerLaunch];
-  std::int64_t first_pos[kMaxSeqsPerLaunch];
-  std::int32_t
-      token_begin[kMaxSeqsPerLaunch + 1];  // tokens of batch entry i: [begin[i], begin[i+1])
-};
-
-struct MetaEntry {
-  std::int32_t layer, seq;
-  std::int64_t length, sink_end, recent_begin;
-};
-inline constexpr int kMaxMetaPerLaunch = 512;
-struct MetaBatch {
-  int count = 0;
-  MetaEntry entry[kMaxMetaPerLaunch];
-};
-
-struct BlockEntry {
-  std::int32_t seq, index, block;
-};
-inline constexpr int kMaxBlocksPerLaunch = 1024;  // also the threads of its one block
-struct BlockBatch {
-  int count = 0;
-  BlockEntry entry[kMaxBlocksPerLaunch];
-};
-
-static_assert(sizeof(AppendBatch) <= kMaxParamBatchBytes);
-static_assert(sizeof(MetaBatch) <= kMaxParamBatchBytes);
-static_assert(sizeof(BlockBatch) <= kMaxParamBatchBytes);
-
-/// Grid (tokens of the batch, KV heads): converts and writes one K row and one V row.
-template <Element T, class U>
-__global__ void append_kernel(DeviceKVView<T> view, T* k_out, T* v_out, const U* __restrict__ k,
-                              const U* __restrict__ v, AppendBatch batch) {
-  const int token = blockIdx.x, head = blockIdx.y;
-  int entry = 0, hi = batch.num_seqs - 1;  // the last entry whose tokens begin at or before token
-  while (entry < hi) {
-    const int mid = (entry + hi + 1) / 2;
-    if (batch.token_begin[mid] <= token) {
-      entry = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int seq = batch.seq[entry];
-  const std::int64_t pos = batch.first_pos[entry] + (token - batch.token_begin[entry]);
-  const std::int64_t dst = view.row_offset(seq, head, pos);
-  const std::int64_t src =
-      (static_cast<std::int64_t>(token) * view.num_kv_heads + head) * view.head_dim;
-  for (int d = threadIdx.x; d < view.head_dim; d += blockDim.x) {
-    if constexpr (std::is_same_v<U, T>) {
-      k_out[dst + d] = k[src + d];
-      v_out[dst + d] = v[src + d];
-    } else {
-      k_out[dst + d] = from_f32<T>(k[src + d]);
-      v_out[dst + d] = from_f32<T>(v[src + d]);
-    }
-  }
-}
-
-/// Writes (length, sink_end, recent_begin) entries into the device metadata [layer][3][batch].
-__global__ void update_meta_kernel(std::int64_t* meta, int max_batch, MetaBatch batch) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= batch.count) return;
-  const MetaEntry e = batch.entry[i];
-  std::int64_t* m = meta + static_cast<std::int64_t>(e.layer) * 3 * max_batch;
-  m[e.seq] = e.length;
-  m[max_batch + e.seq] = e.sink_end;
-  m[2 * max_batch + e.seq] = e.recent_begin;
-}
-
-__global__ void update_blocks_kernel(std::int32_t* table, int max_blocks, BlockBatch batch) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= batch.count) return;
-  const BlockEntry e = batch.entry[i];
-  table[static_cast<std::int64_t>(e.seq) * max_blocks + e.index] = e.block;
-}
-
-}  // namespace detail
 
 /// GPU-resident K/V for num_layers x max_batch sequences in one of three layouts. Host-side
 /// bookkeeping mirrors the CPU policies (lengths, ring eviction, block tables), so appends are
 /// validated before anything is launched; all device work is asynchronous on the caller's
-/// stream. Not thread-safe: use one DeviceCache per stream of control.
+/// stream. Not thread-safe: use one DeviceCache per stream of control, and give every call the
+/// same stream (a block one call frees, the next may write).
+///
+/// Paged layout: the bookkeeping is a BlockManager, the one behind PagedCache, with its rules
+/// (manager/block_manager.hpp), so the same operations in the same order give the same block
+/// tables. Besides append, crop and reset, a paged cache offers admit() (automatic prefix
+/// caching, with a cache salt), add_tokens(), append with ids, fork(), reorder(), release(),
+/// evict_cached(), stats() and the per-sequence queries (paged_queries()). An append batch's
+/// copy-on-write copies go to the device in one launch; the block-table entries and lengths an
+/// operation changes follow in batched launches, all on the caller's stream.
 template <Element T>
 class DeviceCache {
  public:
@@ -177,17 +107,16 @@ class DeviceCache {
         }
         detail_require(c.block_size, "block_size");
         detail_require(c.num_blocks, "num_blocks");
-        max_blocks_ = (c.max_seq_len + c.block_size - 1) / c.block_size;
+        paged_.emplace(BlockManagerConfig{.num_layers = c.num_layers,
+                                          .num_blocks = c.num_blocks,
+                                          .block_size = c.block_size,
+                                          .max_batch = c.max_batch,
+                                          .max_seq_len = c.max_seq_len,
+                                          .enable_prefix_caching = c.enable_prefix_caching,
+                                          .evict_when_full = c.evict_when_full});
         storage_ = DeviceBuffer<T>(kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
                                                   c.block_size, sizeof(T), c.num_blocks) /
                                    sizeof(T));
-        block_table_ = DeviceBuffer<std::int32_t>(c.max_batch * max_blocks_);
-        blocks_.resize(c.max_batch);
-        for (auto& b : blocks_) b.reserve(max_blocks_);
-        free_blocks_.reserve(c.num_blocks);
-        for (std::size_t b = c.num_blocks; b-- > 0;)
-          free_blocks_.push_back(static_cast<std::int32_t>(b));
-        check(cudaMemset(block_table_.data(), 0, block_table_.bytes()), "cudaMemset(block table)");
         break;
     }
     state_.assign(c.num_layers * c.max_batch, State{0, static_cast<std::int64_t>(sinks())});
@@ -198,86 +127,39 @@ class DeviceCache {
 
   /// Appends counts[i] new tokens to sequence seqs[i] of `layer`, for every i, in one launch per
   /// kMaxSeqsPerLaunch sequences. k, v: device arrays [sum(counts)][num_kv_heads][head_dim] of
-  /// float (rounded to T) or T, tokens grouped by sequence in the order of `seqs`.
+  /// float (rounded to T) or T, tokens grouped by sequence in the order of `seqs`. Paged: the
+  /// whole batch takes its blocks at once (the shared or indexed ones it writes into are copied
+  /// first, in one launch), or none.
   /// @throws layer_error, batch_error, shape_error (sizes, a sequence listed twice, zero count),
-  ///         capacity_error (max_seq_len, max_append_len, pool exhausted), cuda_error. Nothing is
-  ///         launched and nothing changes on throw.
+  ///         capacity_error (max_seq_len, max_append_len), pool_exhausted_error (paged: names
+  ///         blocks needed, free and evictable), position_error (paged: a sequence with ids, past
+  ///         them), cuda_error. Nothing is launched and nothing changes on throw.
   template <class U>
   requires std::same_as<U, T> || std::same_as<U, float>
   void append(std::size_t layer, std::span<const std::size_t> seqs,
               std::span<const std::size_t> counts, const U* k, const U* v, cudaStream_t stream) {
-    check_layer(layer);
-    if (seqs.size() != counts.size() || seqs.empty()) {
-      throw shape_error(kvcache::detail::message("DeviceCache::append: ", seqs.size(),
-                                                 " sequences but ", counts.size(), " counts"));
+    append_rows(layer, seqs, counts, nullptr, k, v, stream);
+  }
+
+  /// append() of tokens with their ids (paged layout only): `ids` (host memory) holds
+  /// sum(counts) ids grouped like the rows. As PagedCache::append with ids, per sequence: ids at
+  /// registered positions must equal those, the others are registered, and the blocks this
+  /// completes are indexed for later prompts.
+  /// @throws as append(); shape_error (ids.size() != sum(counts), or not paged), position_error
+  ///         (an id differs from the registered one; a sequence holding K/V without ids).
+  template <class U>
+  requires std::same_as<U, T> || std::same_as<U, float>
+  void append(std::size_t layer, std::span<const std::size_t> seqs,
+              std::span<const std::size_t> counts, std::span<const token_id> ids, const U* k,
+              const U* v, cudaStream_t stream) {
+    require_paged("append with ids");
+    std::size_t total = 0;
+    for (std::size_t n : counts) total += n;
+    if (ids.size() != total) {
+      throw shape_error(kvcache::detail::message("DeviceCache::append: ", ids.size(),
+                                                 " token ids for ", total, " tokens"));
     }
-    std::size_t new_blocks = 0;
-    for (std::size_t i = 0; i < seqs.size(); ++i) {
-      check_seq(seqs[i]);
-      for (std::size_t j = 0; j < i; ++j) {
-        if (seqs[j] == seqs[i]) {
-          throw shape_error(
-              kvcache::detail::message("DeviceCache::append: sequence ", seqs[i], " listed twice"));
-        }
-      }
-      const std::size_t n = counts[i];
-      const State& st = state(layer, seqs[i]);
-      const std::size_t len = static_cast<std::size_t>(st.length);
-      if (n == 0) throw shape_error("DeviceCache::append: zero-length append");
-      if (config_.layout == Layout::ring && n > config_.max_append_len) {
-        throw capacity_error(
-            kvcache::detail::message("DeviceCache::append: ", n, " tokens to sequence ", seqs[i],
-                                     " exceed max_append_len ", config_.max_append_len));
-      }
-      if (config_.layout != Layout::ring && n > config_.max_seq_len - len) {
-        throw capacity_error(kvcache::detail::message(
-            "DeviceCache::append: ", n, " tokens to sequence ", seqs[i], " layer ", layer,
-            " exceed max_seq_len ", config_.max_seq_len, " (holds ", len, ")"));
-      }
-      if (config_.layout == Layout::paged) {
-        const std::size_t need = (len + n + config_.block_size - 1) / config_.block_size;
-        if (need > blocks_[seqs[i]].size()) new_blocks += need - blocks_[seqs[i]].size();
-      }
-    }
-    if (new_blocks > free_blocks_.size()) {
-      throw capacity_error(kvcache::detail::message("DeviceCache::append: needs ", new_blocks,
-                                                    " new blocks, ", free_blocks_.size(),
-                                                    " free of ", config_.num_blocks));
-    }
-    // validated: from here on only launches, whose failure is reported as cuda_error
-    if (config_.layout == Layout::paged) grow_blocks(layer, seqs, counts, stream);
-    const DeviceKVView<T> v_layer = view(layer);
-    T* k_out = storage_.data() + layer_offset(layer);
-    T* v_out = k_out + v_offset();
-    std::size_t token = 0;
-    for (std::size_t i0 = 0; i0 < seqs.size(); i0 += kMaxSeqsPerLaunch) {
-      detail::AppendBatch batch;
-      batch.num_seqs = static_cast<int>(std::min<std::size_t>(kMaxSeqsPerLaunch, seqs.size() - i0));
-      const std::size_t token0 = token;
-      batch.token_begin[0] = 0;
-      for (int i = 0; i < batch.num_seqs; ++i) {
-        batch.seq[i] = static_cast<std::int32_t>(seqs[i0 + i]);
-        batch.first_pos[i] = state(layer, seqs[i0 + i]).length;
-        token += counts[i0 + i];
-        batch.token_begin[i + 1] = static_cast<std::int32_t>(token - token0);
-      }
-      const dim3 grid(static_cast<unsigned>(token - token0),
-                      static_cast<unsigned>(config_.num_kv_heads));
-      const std::size_t src = token0 * config_.num_kv_heads * config_.head_dim;
-      detail::append_kernel<T, U>
-          <<<grid, 64, 0, stream>>>(v_layer, k_out, v_out, k + src, v + src, batch);
-      check_launch("kvcache::cuda::append_kernel");
-    }
-    detail::MetaBatch meta;
-    for (std::size_t i = 0; i < seqs.size(); ++i) {
-      State& st = state(layer, seqs[i]);
-      st.length += static_cast<std::int64_t>(counts[i]);
-      if (config_.layout == Layout::ring) {
-        st.ring_begin = std::max(st.ring_begin, st.length - static_cast<std::int64_t>(ring_len_));
-      }
-      push_meta(meta, layer, seqs[i], stream);
-    }
-    flush_meta(meta, stream);
+    append_rows(layer, seqs, counts, ids.data(), k, v, stream);
   }
 
   /// The device view of `layer` for all max_batch sequences. O(max_batch) host work (for
@@ -297,8 +179,8 @@ class DeviceCache {
       const std::int64_t bs = static_cast<std::int64_t>(config_.block_size);
       v.head_stride = bs * d;
       v.block_stride = 2 * h * bs * d;
-      v.block_table = block_table_.data();
-      v.max_blocks = static_cast<int>(max_blocks_);
+      v.block_table = paged_->device_table();
+      v.max_blocks = static_cast<int>(paged_->max_blocks());
       v.block_size = static_cast<int>(bs);
     } else {
       v.head_stride = static_cast<std::int64_t>(slots_) * d;
@@ -335,14 +217,22 @@ class DeviceCache {
   [[nodiscard]] const DeviceCacheConfig& config() const noexcept { return config_; }
   /// Device bytes of K/V storage (plus the block table for paged).
   [[nodiscard]] std::size_t memory_bytes() const noexcept {
-    return storage_.bytes() + block_table_.bytes();
+    return storage_.bytes() + (paged_ ? paged_->device_bytes() : 0);
   }
-  [[nodiscard]] std::size_t free_blocks() const noexcept { return free_blocks_.size(); }
+  /// Paged: blocks in the pool that are free (neither held nor cached); 0 for other layouts.
+  [[nodiscard]] std::size_t free_blocks() const {
+    return paged_ ? paged_->manager().stats().blocks_free : 0;
+  }
 
-  /// Empties `seq` in every layer (paged: its blocks return to the pool). @throws batch_error.
+  /// Empties `seq` in every layer (paged: release(): its blocks lose a holder, indexed ones stay
+  /// cached for later prompts). @throws batch_error.
   void reset(std::size_t seq, cudaStream_t stream) {
     check_seq(seq);
-    crop_to(seq, 0, stream);
+    if (paged_) {
+      release(seq, stream);
+    } else {
+      crop_to(seq, 0, stream);
+    }
   }
 
   /// Rolls `seq` back to n tokens in every layer. @throws batch_error, position_error when
@@ -368,7 +258,12 @@ class DeviceCache {
         }
       }
     }
-    crop_to(seq, n, stream);
+    if (paged_) {
+      paged_->manager().crop(seq, n);
+      sync_sequence(seq, stream);
+    } else {
+      crop_to(seq, n, stream);
+    }
   }
 
   /// The position checks kvcache::attend makes on the CPU, on the host-side state: the last
@@ -391,7 +286,183 @@ class DeviceCache {
     }
   }
 
+  // ---- Paged layout: prefix caching, fork, reorder, eviction (BlockManager) ----------------
+
+  /// PagedCache::admit() on the device: starts the empty sequence `seq` with `prompt`, sharing
+  /// the blocks of its longest prefix cached under `extra_key`; returns the tokens every layer
+  /// now holds (the caller appends K/V for prompt[m..]). @throws shape_error (not paged), and as
+  /// PagedCache::admit(); unchanged on throw.
+  [[nodiscard]] std::size_t admit(std::size_t seq, std::span<const token_id> prompt,
+                                  std::uint64_t extra_key, cudaStream_t stream) {
+    require_paged("admit");
+    const std::size_t m = paged_->manager().admit(seq, prompt, extra_key);
+    sync_sequence(seq, stream);
+    return m;
+  }
+  /// PagedCache::add_tokens(): registers ids ahead of their K/V, indexing what they complete.
+  void add_tokens(std::size_t seq, std::span<const token_id> ids, cudaStream_t stream) {
+    require_paged("add_tokens");
+    paged_->manager().add_tokens(seq, ids);
+    sync_sequence(seq, stream);
+  }
+  /// PagedCache::fork(): dst becomes a copy of src sharing its blocks (nothing is copied until
+  /// one of them writes into a shared block).
+  void fork(std::size_t src, std::size_t dst, cudaStream_t stream) {
+    require_paged("fork");
+    paged_->manager().fork(src, dst);
+    sync_sequence(dst, stream);
+  }
+  /// PagedCache::reorder(): beam reordering on block tables. Allocates (host) a snapshot.
+  void reorder(std::span<const std::size_t> dst, std::span<const std::size_t> src,
+               cudaStream_t stream) {
+    require_paged("reorder");
+    paged_->manager().reorder(dst, src);
+    for (std::size_t d : dst) sync_sequence(d, stream);
+  }
+  /// PagedCache::release(): empties seq; its indexed blocks stay cached for later prompts.
+  void release(std::size_t seq, cudaStream_t stream) {
+    require_paged("release");
+    paged_->manager().release(seq);
+    sync_sequence(seq, stream);
+  }
+  /// PagedCache::evict_cached(): evicts up to max_blocks cached blocks (no device work).
+  std::size_t evict_cached(std::size_t max_blocks) {
+    require_paged("evict_cached");
+    return paged_->manager().evict_cached(max_blocks);
+  }
+  /// PagedCache::match_prefix(): leading tokens of ids cached under extra_key. Changes nothing.
+  [[nodiscard]] std::size_t match_prefix(std::span<const token_id> ids,
+                                         std::uint64_t extra_key = 0) const {
+    require_paged("match_prefix");
+    return paged_->manager().match_prefix(ids, extra_key);
+  }
+  /// The bookkeeping of the paged layout, for its queries: tokens(), block_table(), stats(),
+  /// extra_key(), exact_prefix(), ref_count(), check_consistency(). @throws shape_error (not
+  /// paged).
+  [[nodiscard]] const BlockManager<>& paged() const {
+    require_paged("paged");
+    return paged_->manager();
+  }
+  /// "" or a description of the first difference between the device's block table and lengths
+  /// and the bookkeeping's (downloads them: synchronises), else the manager's
+  /// check_consistency(). For tests.
+  [[nodiscard]] std::string check_device_mirror(cudaStream_t stream) const {
+    require_paged("check_device_mirror");
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    if (std::string table = paged_->check_device(); !table.empty()) return table;
+    std::vector<std::int64_t> meta(meta_.size());
+    check(cudaMemcpy(meta.data(), meta_.data(), meta_.bytes(), cudaMemcpyDeviceToHost),
+          "download metadata");
+    for (std::size_t q = 0; q < config_.max_batch; ++q) {
+      for (std::size_t l = 0; l < config_.num_layers; ++l) {
+        const auto len = static_cast<std::int64_t>(paged_->manager().layer_length(l, q));
+        if (meta[l * 3 * config_.max_batch + q] != len) {
+          return kvcache::detail::message("sequence ", q, " layer ", l, " holds ", len,
+                                          " positions but the device says ",
+                                          meta[l * 3 * config_.max_batch + q]);
+        }
+      }
+    }
+    return paged_->manager().check_consistency();
+  }
+
  private:
+  template <class U>
+  void append_rows(std::size_t layer, std::span<const std::size_t> seqs,
+                   std::span<const std::size_t> counts, const token_id* ids, const U* k, const U* v,
+                   cudaStream_t stream) {
+    check_layer(layer);
+    if (seqs.size() != counts.size() || seqs.empty()) {
+      throw shape_error(kvcache::detail::message("DeviceCache::append: ", seqs.size(),
+                                                 " sequences but ", counts.size(), " counts"));
+    }
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      check_seq(seqs[i]);
+      for (std::size_t j = 0; j < i; ++j) {
+        if (seqs[j] == seqs[i]) {
+          throw shape_error(
+              kvcache::detail::message("DeviceCache::append: sequence ", seqs[i], " listed twice"));
+        }
+      }
+      const std::size_t n = counts[i];
+      const std::size_t len = static_cast<std::size_t>(state(layer, seqs[i]).length);
+      if (n == 0) throw shape_error("DeviceCache::append: zero-length append");
+      if (config_.layout == Layout::ring && n > config_.max_append_len) {
+        throw capacity_error(
+            kvcache::detail::message("DeviceCache::append: ", n, " tokens to sequence ", seqs[i],
+                                     " exceed max_append_len ", config_.max_append_len));
+      }
+      if (config_.layout != Layout::ring && n > config_.max_seq_len - len) {
+        throw capacity_error(kvcache::detail::message(
+            "DeviceCache::append: ", n, " tokens to sequence ", seqs[i], " layer ", layer,
+            " exceed max_seq_len ", config_.max_seq_len, " (holds ", len, ")"));
+      }
+    }
+    // paged: the manager checks the ids and takes the blocks (or throws, changing nothing),
+    // the copy-on-write copies and new table entries go out
+    std::span<const BlockManager<>::AppendPlan> plans;
+    if (paged_) {
+      plans = paged_->begin_append(layer, seqs, counts, ids, storage_.data(), layer_offset(1),
+                                   2 * v_offset(), stream);
+    }
+    // validated: from here on only launches, whose failure is reported as cuda_error
+    const DeviceKVView<T> v_layer = view(layer);
+    T* k_out = storage_.data() + layer_offset(layer);
+    T* v_out = k_out + v_offset();
+    std::size_t token = 0;
+    for (std::size_t i0 = 0; i0 < seqs.size(); i0 += kMaxSeqsPerLaunch) {
+      detail::AppendBatch batch;
+      batch.num_seqs = static_cast<int>(std::min<std::size_t>(kMaxSeqsPerLaunch, seqs.size() - i0));
+      const std::size_t token0 = token;
+      batch.token_begin[0] = 0;
+      for (int i = 0; i < batch.num_seqs; ++i) {
+        batch.seq[i] = static_cast<std::int32_t>(seqs[i0 + i]);
+        batch.first_pos[i] = state(layer, seqs[i0 + i]).length;
+        token += counts[i0 + i];
+        batch.token_begin[i + 1] = static_cast<std::int32_t>(token - token0);
+      }
+      const dim3 grid(static_cast<unsigned>(token - token0),
+                      static_cast<unsigned>(config_.num_kv_heads));
+      const std::size_t src = token0 * config_.num_kv_heads * config_.head_dim;
+      detail::append_kernel<T, U>
+          <<<grid, 64, 0, stream>>>(v_layer, k_out, v_out, k + src, v + src, batch);
+      check_launch("kvcache::cuda::append_kernel");
+    }
+    if (paged_) paged_->end_append(plans, stream);
+    detail::MetaBatch meta;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      State& st = state(layer, seqs[i]);
+      st.length += static_cast<std::int64_t>(counts[i]);
+      if (config_.layout == Layout::ring) {
+        st.ring_begin = std::max(st.ring_begin, st.length - static_cast<std::int64_t>(ring_len_));
+      }
+      push_meta(meta, layer, seqs[i], stream);
+    }
+    flush_meta(meta, stream);
+  }
+
+  void require_paged(const char* op) const {
+    if (config_.layout != Layout::paged) {
+      throw shape_error(kvcache::detail::message("DeviceCache::", op,
+                                                 ": only the paged layout has token ids and "
+                                                 "shared blocks"));
+    }
+  }
+
+  // After an operation on the whole of seq: its table entries and every layer's length.
+  void sync_sequence(std::size_t seq, cudaStream_t stream) {
+    paged_->sync(seq, 0, stream);
+    detail::MetaBatch meta;
+    for (std::size_t l = 0; l < config_.num_layers; ++l) {
+      State& st = state(l, seq);
+      const auto len = static_cast<std::int64_t>(paged_->manager().layer_length(l, seq));
+      if (st.length == len) continue;
+      st.length = len;
+      push_meta(meta, l, seq, stream);
+    }
+    flush_meta(meta, stream);
+  }
+
   struct State {
     std::int64_t length;
     std::int64_t ring_begin;  // ring: oldest ring position still held (>= num_sinks)
@@ -454,32 +525,6 @@ class DeviceCache {
     meta.count = 0;
   }
 
-  void grow_blocks(std::size_t layer, std::span<const std::size_t> seqs,
-                   std::span<const std::size_t> counts, cudaStream_t stream) {
-    detail::BlockBatch batch;
-    auto flush = [&] {
-      if (batch.count == 0) return;
-      detail::update_blocks_kernel<<<1, detail::kMaxBlocksPerLaunch, 0, stream>>>(
-          block_table_.data(), static_cast<int>(max_blocks_), batch);
-      check_launch("kvcache::cuda::update_blocks_kernel");
-      batch.count = 0;
-    };
-    for (std::size_t i = 0; i < seqs.size(); ++i) {
-      auto& list = blocks_[seqs[i]];
-      const std::size_t len = static_cast<std::size_t>(state(layer, seqs[i]).length);
-      const std::size_t need = (len + counts[i] + config_.block_size - 1) / config_.block_size;
-      while (list.size() < need) {
-        if (batch.count == detail::kMaxBlocksPerLaunch) flush();
-        const std::int32_t b = free_blocks_.back();
-        free_blocks_.pop_back();
-        batch.entry[batch.count++] = {static_cast<std::int32_t>(seqs[i]),
-                                      static_cast<std::int32_t>(list.size()), b};
-        list.push_back(b);
-      }
-    }
-    flush();
-  }
-
   void crop_to(std::size_t seq, std::size_t n, cudaStream_t stream) {
     detail::MetaBatch meta;
     for (std::size_t l = 0; l < config_.num_layers; ++l) {
@@ -491,30 +536,15 @@ class DeviceCache {
       push_meta(meta, l, seq, stream);
     }
     flush_meta(meta, stream);
-    if (config_.layout == Layout::paged) {
-      std::int64_t longest = 0;  // blocks are shared by all layers: keep what the longest needs
-      for (std::size_t l = 0; l < config_.num_layers; ++l)
-        longest = std::max(longest, state(l, seq).length);
-      const std::size_t keep =
-          (static_cast<std::size_t>(longest) + config_.block_size - 1) / config_.block_size;
-      auto& list = blocks_[seq];
-      while (list.size() > keep) {
-        free_blocks_.push_back(list.back());
-        list.pop_back();
-      }
-    }
   }
 
   DeviceCacheConfig config_;
   std::size_t slots_ = 0;
   std::size_t ring_len_ = 0;
-  std::size_t max_blocks_ = 0;
   DeviceBuffer<T> storage_;
-  DeviceBuffer<std::int32_t> block_table_;
-  DeviceBuffer<std::int64_t> meta_;                // [layer][length, sink_end, recent_begin][seq]
-  std::vector<State> state_;                       // [layer][seq]
-  std::vector<std::vector<std::int32_t>> blocks_;  // paged: block ids per sequence
-  std::vector<std::int32_t> free_blocks_;
+  DeviceBuffer<std::int64_t> meta_;   // [layer][length, sink_end, recent_begin][seq]
+  std::vector<State> state_;          // [layer][seq]: what meta_ holds
+  std::optional<PagedTables> paged_;  // paged: the bookkeeping and the device block table
 };
 
 }  // namespace kvcache::cuda

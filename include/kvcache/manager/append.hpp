@@ -47,38 +47,66 @@ void BlockManager<Hasher>::check_append(std::size_t layer, std::size_t seq, std:
   }
 }
 
-/// First half of appending n tokens to `layer` of `seq`: checks, takes new blocks from the
-/// pool and fresh blocks for the shared or indexed ones the rows go into (copy-on-write). The
-/// storage then copies plan.copies and writes the rows (neither may throw), and end_append()
-/// finishes. `ids`: the tokens' ids (n of them), or nullptr for an append without ids.
-/// Never allocates. O(n / block_size) under the lock.
-/// @throws layer_error, batch_error, capacity_error (past max_seq_len), position_error (see
-///         "Token ids and commitment"), pool_exhausted_error; nothing changed on throw.
+/// First half of appending to `layer` of several sequences at once (a decode step's batch):
+/// requests[i] appends requests[i].n tokens to sequence requests[i].seq (ids: their ids, or
+/// nullptr). Checks every request, then takes all the blocks they need (new ones, and fresh ones
+/// for the shared or indexed blocks the rows go into: copy-on-write) under one lock, so the batch
+/// succeeds or fails whole. plans[i] says where request i writes and what to copy first; the
+/// storage copies every plan's blocks (in one launch, on a GPU) and writes the rows (neither may
+/// throw), then end_append(plans) finishes. Never allocates. O(sum of n / block_size + requests^2)
+/// (the check that no sequence is listed twice).
+/// @throws shape_error (plans shorter than requests, a sequence listed twice), layer_error,
+///         batch_error, capacity_error (past max_seq_len), position_error (see "Token ids and
+///         commitment"), pool_exhausted_error; nothing changed on throw.
 template <BlockHasher Hasher>
-typename BlockManager<Hasher>::AppendPlan BlockManager<Hasher>::begin_append(std::size_t layer,
-                                                                             std::size_t seq,
-                                                                             std::size_t n,
-                                                                             const token_id* ids) {
-  check_append(layer, seq, n, ids);
-  const std::size_t len = seqs_.length(seq, layer);
-  SequenceTable::Record& s = seqs_.record(seq);
-  block_id* table = seqs_.table(seq);
-  BlockCopy* copies = seqs_.copies(seq);
-  const std::size_t first = len / block_size_;
-  const std::size_t end = (len + n + block_size_ - 1) / block_size_;
-  std::size_t num_copies = 0;
-  {
-    std::lock_guard lock(shared_->mutex);
-    BlockPool& pool = shared_->pool;
-    for (std::size_t i = first; i < std::min(end, s.num_blocks); ++i) {
-      if (!writable(pool, table[i])) ++num_copies;
+void BlockManager<Hasher>::begin_append(std::size_t layer, std::span<const AppendRequest> requests,
+                                        std::span<AppendPlan> plans) {
+  if (plans.size() < requests.size()) {
+    throw shape_error(detail::message(name_, ": begin_append of ", requests.size(),
+                                      " requests into ", plans.size(), " plans"));
+  }
+  std::size_t tokens = 0;
+  for (std::size_t r = 0; r < requests.size(); ++r) {
+    check_append(layer, requests[r].seq, requests[r].n, requests[r].ids);
+    for (std::size_t j = 0; j < r; ++j) {
+      if (requests[j].seq == requests[r].seq) {
+        throw shape_error(
+            detail::message(name_, ": append lists sequence ", requests[r].seq, " twice"));
+      }
     }
-    const std::size_t fresh = end > s.num_blocks ? end - s.num_blocks : 0;
-    shared_->reserve(fresh + num_copies, [&] {
-      return detail::message(name_, ": append of ", n, " tokens to sequence ", seq, " layer ",
-                             layer, " (holds ", len, ")");
-    });
-    for (std::size_t i = first, c = 0; c < num_copies; ++i) {
+    tokens += requests[r].n;
+  }
+  std::lock_guard lock(shared_->mutex);
+  BlockPool& pool = shared_->pool;
+  std::size_t needed = 0, num_copies = 0;
+  for (const AppendRequest& r : requests) {
+    const std::size_t len = seqs_.length(r.seq, layer), num_blocks = seqs_.record(r.seq).num_blocks;
+    const std::size_t first = len / block_size_, end = (len + r.n + block_size_ - 1) / block_size_;
+    for (std::size_t i = first; i < std::min(end, num_blocks); ++i) {
+      if (!writable(pool, seqs_.table(r.seq)[i])) ++num_copies;
+    }
+    needed += end > num_blocks ? end - num_blocks : 0;
+  }
+  shared_->reserve(needed + num_copies, [&] {
+    if (requests.size() == 1) {
+      const AppendRequest& r = requests[0];
+      return detail::message(name_, ": append of ", r.n, " tokens to sequence ", r.seq, " layer ",
+                             layer, " (holds ", seqs_.length(r.seq, layer), ")");
+    }
+    return detail::message(name_, ": append of ", tokens, " tokens to ", requests.size(),
+                           " sequences of layer ", layer);
+  });
+  // The copied blocks stay held (their counts are not dropped until end_append()), so nobody can
+  // evict or reuse them while the storage copies them; the new ones are their sequence's alone.
+  for (std::size_t r = 0; r < requests.size(); ++r) {
+    const std::size_t seq = requests[r].seq, n = requests[r].n;
+    const std::size_t len = seqs_.length(seq, layer);
+    SequenceTable::Record& s = seqs_.record(seq);
+    block_id* table = seqs_.table(seq);
+    BlockCopy* copies = seqs_.copies(seq);
+    const std::size_t first = len / block_size_, end = (len + n + block_size_ - 1) / block_size_;
+    std::size_t c = 0;
+    for (std::size_t i = first; i < std::min(end, s.num_blocks); ++i) {
       if (writable(pool, table[i])) continue;
       const block_id to = pool.allocate();
       copies[c++] = {i, table[i], to};
@@ -86,31 +114,48 @@ typename BlockManager<Hasher>::AppendPlan BlockManager<Hasher>::begin_append(std
     }
     for (std::size_t i = s.num_blocks; i < end; ++i) table[i] = pool.allocate();
     s.num_blocks = std::max(s.num_blocks, end);
-    shared_->cow_copies += num_copies;
+    plans[r] = {layer, seq, len, n, table, {copies, c}, requests[r].ids};
   }
-  // The copied blocks are still held (their counts were not dropped), so nobody can evict or
-  // reuse them while the storage copies them; the new ones are this sequence's alone.
-  return {layer, seq, len, n, table, {copies, num_copies}, ids};
+  shared_->cow_copies += num_copies;
+}
+
+/// begin_append() of one sequence: n tokens to `layer` of `seq`, `ids` their ids or nullptr.
+/// @throws as the batch; nothing changed on throw.
+template <BlockHasher Hasher>
+typename BlockManager<Hasher>::AppendPlan BlockManager<Hasher>::begin_append(std::size_t layer,
+                                                                             std::size_t seq,
+                                                                             std::size_t n,
+                                                                             const token_id* ids) {
+  const AppendRequest request{seq, n, ids};
+  AppendPlan plan;
+  begin_append(layer, std::span(&request, 1), std::span(&plan, 1));
+  return plan;
 }
 
 /// Second half of an append, once the storage has copied and written: lets go of the copied
-/// blocks, registers the new ids, moves the layer's length on and indexes the blocks this
+/// blocks, registers the new ids, moves each layer's length on and indexes the blocks this
 /// completes (see "Token ids and commitment"). Never throws or allocates.
 template <BlockHasher Hasher>
-void BlockManager<Hasher>::end_append(const AppendPlan& plan) noexcept {
-  if (!plan.copies.empty()) {
+void BlockManager<Hasher>::end_append(std::span<const AppendPlan> plans) noexcept {
+  {
     std::lock_guard lock(shared_->mutex);
-    for (std::size_t c = plan.copies.size(); c-- > 0;) shared_->pool.release(plan.copies[c].from);
+    for (const AppendPlan& plan : plans) {
+      for (std::size_t c = plan.copies.size(); c-- > 0;) {
+        shared_->pool.release(plan.copies[c].from);
+      }
+    }
   }
-  SequenceTable::Record& s = seqs_.record(plan.seq);
-  const std::size_t len = plan.position, n = plan.n;
-  if (plan.ids != nullptr && len + n > s.num_tokens) {
-    const std::size_t known = s.num_tokens - len;  // len <= num_tokens: the ids come first
-    std::copy(plan.ids + known, plan.ids + n, seqs_.ids(plan.seq) + s.num_tokens);
-    s.num_tokens = len + n;
+  for (const AppendPlan& plan : plans) {
+    SequenceTable::Record& s = seqs_.record(plan.seq);
+    const std::size_t len = plan.position, n = plan.n;
+    if (plan.ids != nullptr && len + n > s.num_tokens) {
+      const std::size_t known = s.num_tokens - len;  // len <= num_tokens: the ids come first
+      std::copy(plan.ids + known, plan.ids + n, seqs_.ids(plan.seq) + s.num_tokens);
+      s.num_tokens = len + n;
+    }
+    seqs_.length(plan.seq, plan.layer) = len + n;
+    commit(plan.seq);
   }
-  seqs_.length(plan.seq, plan.layer) = len + n;
-  commit(plan.seq);
 }
 
 }  // namespace kvcache

@@ -41,6 +41,14 @@ struct BlockManagerConfig {
   bool evict_when_full = false;
 };
 
+/// One sequence's part of a batched append (BlockManager::begin_append): n tokens, with their
+/// ids (n of them) or without (nullptr).
+struct AppendRequest {
+  std::size_t seq = 0;
+  std::size_t n = 0;
+  const token_id* ids = nullptr;
+};
+
 /// One layer's positions to be restored into a sequence (BlockManager::begin_restore).
 struct RestoreExtent {
   std::size_t layer = 0;
@@ -220,6 +228,12 @@ class BlockManager {
     detail::check_seq(name_, seq, max_batch());
     return {seqs_.table(seq), seqs_.record(seq).num_blocks};
   }
+  /// How many leading table entries of `seq` are committed (indexed under its prefix): an
+  /// append changes no entry before them. @throws batch_error.
+  [[nodiscard]] std::size_t committed_blocks(std::size_t seq) const {
+    detail::check_seq(name_, seq, max_batch());
+    return seqs_.record(seq).committed;
+  }
   /// Rows `layer` of `seq` holds in its table entry `index` (0 .. block_size). @pre in range.
   [[nodiscard]] std::size_t block_rows(std::size_t seq, std::size_t layer,
                                        std::size_t index) const noexcept {
@@ -258,8 +272,12 @@ class BlockManager {
   /// First half of an append (manager/append.hpp): checks, takes blocks; says what to copy.
   [[nodiscard]] AppendPlan begin_append(std::size_t layer, std::size_t seq, std::size_t n,
                                         const token_id* ids);
+  /// The same for a batch of sequences, all or nothing (manager/append.hpp).
+  void begin_append(std::size_t layer, std::span<const AppendRequest> requests,
+                    std::span<AppendPlan> plans);
   /// Second half, once the storage has copied and written (manager/append.hpp). Never throws.
-  void end_append(const AppendPlan& plan) noexcept;
+  void end_append(std::span<const AppendPlan> plans) noexcept;
+  void end_append(const AppendPlan& plan) noexcept { end_append(std::span(&plan, 1)); }
 
   // ---- Sequences --------------------------------------------------------------------------
 

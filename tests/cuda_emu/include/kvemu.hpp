@@ -550,6 +550,7 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) 
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
   *p = ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{256}, std::nothrow);
   if (*p == nullptr) return cudaErrorMemoryAllocation;

@@ -1,0 +1,140 @@
+// SPDX-License-Identifier: Apache-2.0
+// The kernels behind DeviceCache's bookkeeping: scatter appended rows, write per-sequence
+// metadata and block-table entries, copy blocks (copy-on-write). Their arguments travel as kernel
+// parameters in fixed-size batches, so no host-to-device copy or synchronisation is needed.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kvcache/core/dtype.hpp"
+#include "kvcache/cuda/view.cuh"
+
+namespace kvcache::cuda {
+
+/// Most sequences one append launch covers (its metadata travels as kernel parameters, which
+/// CUDA 12.1+ allows up to 32 764 bytes on Volta and later); larger batches take several launches.
+inline constexpr int kMaxSeqsPerLaunch = 512;
+/// Bytes of kernel parameters a launch may pass (CUDA 12.1+, sm_70+), less room for the others.
+inline constexpr std::size_t kMaxParamBatchBytes = 32764 - 512;
+
+namespace detail {
+
+struct AppendBatch {
+  int num_seqs = 0;
+  std::int32_t seq[kMaxSeqsPerLaunch];
+  std::int64_t first_pos[kMaxSeqsPerLaunch];
+  std::int32_t
+      token_begin[kMaxSeqsPerLaunch + 1];  // tokens of batch entry i: [begin[i], begin[i+1])
+};
+
+struct MetaEntry {
+  std::int32_t layer, seq;
+  std::int64_t length, sink_end, recent_begin;
+};
+inline constexpr int kMaxMetaPerLaunch = 512;
+struct MetaBatch {
+  int count = 0;
+  MetaEntry entry[kMaxMetaPerLaunch];
+};
+
+struct BlockEntry {
+  std::int32_t seq, index, block;
+};
+inline constexpr int kMaxBlocksPerLaunch = 1024;  // also the threads of its one block
+struct BlockBatch {
+  int count = 0;
+  BlockEntry entry[kMaxBlocksPerLaunch];
+};
+
+static_assert(sizeof(AppendBatch) <= kMaxParamBatchBytes);
+static_assert(sizeof(MetaBatch) <= kMaxParamBatchBytes);
+static_assert(sizeof(BlockBatch) <= kMaxParamBatchBytes);
+
+/// Grid (tokens of the batch, KV heads): converts and writes one K row and one V row.
+template <Element T, class U>
+__global__ void append_kernel(DeviceKVView<T> view, T* k_out, T* v_out, const U* __restrict__ k,
+                              const U* __restrict__ v, AppendBatch batch) {
+  const int token = blockIdx.x, head = blockIdx.y;
+  int entry = 0, hi = batch.num_seqs - 1;  // the last entry whose tokens begin at or before token
+  while (entry < hi) {
+    const int mid = (entry + hi + 1) / 2;
+    if (batch.token_begin[mid] <= token) {
+      entry = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int seq = batch.seq[entry];
+  const std::int64_t pos = batch.first_pos[entry] + (token - batch.token_begin[entry]);
+  const std::int64_t dst = view.row_offset(seq, head, pos);
+  const std::int64_t src =
+      (static_cast<std::int64_t>(token) * view.num_kv_heads + head) * view.head_dim;
+  for (int d = threadIdx.x; d < view.head_dim; d += blockDim.x) {
+    if constexpr (std::is_same_v<U, T>) {
+      k_out[dst + d] = k[src + d];
+      v_out[dst + d] = v[src + d];
+    } else {
+      k_out[dst + d] = from_f32<T>(k[src + d]);
+      v_out[dst + d] = from_f32<T>(v[src + d]);
+    }
+  }
+}
+
+/// Writes (length, sink_end, recent_begin) entries into the device metadata [layer][3][batch].
+__global__ void update_meta_kernel(std::int64_t* meta, int max_batch, MetaBatch batch) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= batch.count) return;
+  const MetaEntry e = batch.entry[i];
+  std::int64_t* m = meta + static_cast<std::int64_t>(e.layer) * 3 * max_batch;
+  m[e.seq] = e.length;
+  m[max_batch + e.seq] = e.sink_end;
+  m[2 * max_batch + e.seq] = e.recent_begin;
+}
+
+__global__ void update_blocks_kernel(std::int32_t* table, int max_blocks, BlockBatch batch) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= batch.count) return;
+  const BlockEntry e = batch.entry[i];
+  table[static_cast<std::int64_t>(e.seq) * max_blocks + e.index] = e.block;
+}
+
+}  // namespace detail
+
+namespace detail {
+
+struct CopyEntry {
+  std::int32_t from, to;
+};
+inline constexpr int kMaxCopiesPerLaunch = 2048;
+struct CopyBatch {
+  int count = 0;
+  CopyEntry entry[kMaxCopiesPerLaunch];
+};
+static_assert(sizeof(CopyBatch) <= kMaxParamBatchBytes);
+
+/// Grid (copies, layers): block batch.entry[x].from of layer y into block .to, whole (K and V
+/// of every head, block_elems elements), 16 bytes at a time where the block allows it.
+template <Element T>
+__global__ void copy_blocks_kernel(T* storage, std::int64_t layer_elems, std::int64_t block_elems,
+                                   CopyBatch batch) {
+  const CopyEntry e = batch.entry[blockIdx.x];
+  const std::int64_t layer = blockIdx.y;
+  const T* src = storage + layer * layer_elems + e.from * block_elems;
+  T* dst = storage + layer * layer_elems + e.to * block_elems;
+  const std::int64_t bytes = block_elems * static_cast<std::int64_t>(sizeof(T));
+  if (bytes % 16 == 0) {  // the pool is 256-byte aligned, so are its blocks then
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    for (std::int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) d4[i] = s4[i];
+  } else {
+    for (std::int64_t i = threadIdx.x; i < block_elems; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+}  // namespace detail
+}  // namespace kvcache::cuda

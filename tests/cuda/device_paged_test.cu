@@ -1,0 +1,318 @@
+// SPDX-License-Identifier: Apache-2.0
+// The paged DeviceCache runs PagedCache's BlockManager: the same random admits (with cache
+// salts), batched appends with ids, add_tokens, forks, reorders, crops, releases and evictions,
+// done on a DeviceCache and on a host PagedCache, must leave the same block tables, ids, lengths,
+// statistics and errors, the device's block table and lengths must mirror its bookkeeping, and
+// the device pool must hold every sequence's rows bit for bit (copy-on-write copies included).
+// Batched appends (several sequences in one call, which a host PagedCache does not take) are
+// checked the same way without the host.
+// Skips with a message when no CUDA device is present.
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <random>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "kvcache/cuda/cuda.cuh"
+#include "kvcache/kvcache.hpp"
+#include "support/catch.hpp"
+#include "support/prefix_helpers.hpp"
+#include "support/rng.hpp"
+
+// No `using namespace kvcache`: CUDA's headers declare a global `half` and namespace `cuda`.
+namespace kcuda = kvcache::cuda;
+using kvcache::token_id;
+
+namespace {
+
+bool have_device() {
+  if (kcuda::device_count() > 0) return true;
+  const char* required = std::getenv("KVCACHE_REQUIRE_CUDA_DEVICE");
+  if (required != nullptr && std::string(required) == "1") {
+    FAIL("no CUDA device (" << kcuda::no_device_reason() << ") and KVCACHE_REQUIRE_CUDA_DEVICE=1");
+  }
+  WARN("skipped: no CUDA device (" << kcuda::no_device_reason() << ")");
+  return false;
+}
+
+constexpr std::size_t kLayers = 2, kHeads = 2, kDim = 8, kBlock = 4, kBatch = 4, kMaxLen = 32;
+const kvcache::test::SyntheticModel kSynth{kLayers, kHeads, kDim};
+
+struct Pair {
+  std::size_t num_blocks;
+  bool twin = true;
+  kvcache::PagedCache<float> host;
+  kcuda::DeviceCache<float> dev;
+
+  Pair(std::size_t blocks, bool evict)
+      : num_blocks(blocks),
+        host({.num_layers = kLayers,
+              .num_kv_heads = kHeads,
+              .head_dim = kDim,
+              .num_blocks = blocks,
+              .block_size = kBlock,
+              .max_batch = kBatch,
+              .max_seq_len = kMaxLen,
+              .evict_when_full = evict}),
+        dev({.layout = kcuda::Layout::paged,
+             .num_layers = kLayers,
+             .num_kv_heads = kHeads,
+             .head_dim = kDim,
+             .max_batch = kBatch,
+             .max_seq_len = kMaxLen,
+             .block_size = kBlock,
+             .num_blocks = blocks,
+             .evict_when_full = evict}) {}
+
+  // Runs an operation on the device and, when the host follows it, on the host: both must
+  // throw the same type or neither.
+  template <class Host, class Dev>
+  void both(Host&& on_host, Dev&& on_dev) {
+    std::string host_error, dev_error;
+    try {
+      if (twin) on_host();
+    } catch (const kvcache::error& e) {
+      host_error = typeid(e).name();
+    }
+    try {
+      on_dev();
+    } catch (const kvcache::error& e) {
+      dev_error = typeid(e).name();
+    }
+    if (twin) REQUIRE(dev_error == host_error);
+  }
+
+  // The device mirrors its bookkeeping; with the host following, both bookkeepings are equal
+  // (the same BlockManager, given the same operations).
+  void check_state() const {
+    const auto& m = dev.paged();
+    REQUIRE(dev.check_device_mirror(nullptr) == "");
+    for (std::size_t q = 0; q < kBatch; ++q) {
+      INFO("sequence " << q);
+      for (std::size_t l = 0; l < kLayers; ++l) {
+        REQUIRE(dev.layer_length(l, q) == m.layer_length(l, q));
+      }
+      if (!twin) continue;
+      REQUIRE(std::ranges::equal(m.block_table(q), host.block_table(q)));
+      REQUIRE(std::ranges::equal(m.tokens(q), host.tokens(q)));
+      REQUIRE(m.extra_key(q) == host.extra_key(q));
+      for (std::size_t l = 0; l < kLayers; ++l) {
+        REQUIRE(m.layer_length(l, q) == host.layer_length(l, q));
+      }
+    }
+    if (twin) REQUIRE(m.stats() == host.stats());
+  }
+
+  // Every row every sequence holds on the device, read through the device's block table, is
+  // the K/V of its ids (every append here carries ids).
+  void check_rows() const {
+    const auto& m = dev.paged();
+    for (std::size_t l = 0; l < kLayers; ++l) {
+      const auto v = dev.view(l);
+      const std::size_t elems = static_cast<std::size_t>(v.block_stride) * num_blocks;
+      std::vector<float> pool(elems);
+      kcuda::check(cudaMemcpy(pool.data(), v.k, elems * sizeof(float), cudaMemcpyDeviceToHost),
+                   "download pool");
+      for (std::size_t q = 0; q < kBatch; ++q) {
+        const std::size_t len = m.layer_length(l, q);
+        if (len == 0) continue;
+        const auto expect = kSynth.kv(l, m.tokens(q).first(len), 0, len);
+        for (std::size_t pos = 0; pos < len; ++pos) {
+          const std::size_t base = m.block_table(q)[pos / kBlock] * v.block_stride;
+          for (std::size_t h = 0; h < kHeads; ++h) {
+            const std::size_t row = base + h * kBlock * kDim + (pos % kBlock) * kDim;
+            const std::size_t want = (pos * kHeads + h) * kDim;
+            INFO("layer " << l << " sequence " << q << " position " << pos << " head " << h);
+            for (std::size_t e = 0; e < kDim; ++e) {
+              REQUIRE(pool[row + e] == expect.k[want + e]);
+              REQUIRE(pool[row + kHeads * kBlock * kDim + e] == expect.v[want + e]);
+            }
+          }
+        }
+      }
+    }
+  }
+};
+
+// `twin`: the host PagedCache follows every operation (appends to one sequence at a time, as it
+// takes them); otherwise appends go to batches of sequences, which take blocks all at once (and
+// may copy a block the host would have copied for one sequence only).
+void run(std::mt19937_64& rng, bool evict, bool twin, int steps) {
+  Pair p(40, evict);
+  p.twin = twin;
+  const auto pick = [&](std::size_t n) {
+    return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);
+  };
+  const auto some_ids = [&](std::size_t n) {
+    std::vector<token_id> ids(n);
+    for (auto& t : ids) t = static_cast<token_id>(1 + pick(3));
+    return ids;
+  };
+  int appended = 0, refused = 0;
+  const auto copies = [&] { return p.dev.paged().stats().cow_copies; };
+  for (int step = 0; step < steps; ++step) {
+    INFO("step " << step);
+    const std::size_t seq = pick(kBatch), other = pick(kBatch);
+    switch (pick(8)) {
+      case 0:
+        if (p.dev.paged().tokens(seq).empty() && p.dev.seq_length(seq) == 0) {
+          const auto prompt = some_ids(1 + pick(14));
+          const std::uint64_t salt = pick(3) == 0 ? 99 : 0;
+          std::size_t a = 0, b = 0;
+          p.both([&] { a = p.host.admit(seq, prompt, salt); },
+                 [&] { b = p.dev.admit(seq, prompt, salt, nullptr); });
+          if (twin) REQUIRE(a == b);
+        }
+        break;
+      case 1:
+      case 2:
+      case 3: {  // a forward pass: each layer appends n tokens with ids to a batch of sequences
+        std::vector<std::size_t> chosen, sizes;
+        for (std::size_t q = 0; q < kBatch; ++q) {
+          const auto& m = p.dev.paged();
+          if ((q != seq && (twin || pick(2) == 0)) || (m.tokens(q).empty() && m.seq_length(q) != 0))
+            continue;
+          chosen.push_back(q);
+          sizes.push_back(1 + pick(5));
+        }
+        for (std::size_t l = 0; l < kLayers; ++l) {
+          std::vector<std::size_t> seqs, counts;
+          std::vector<token_id> ids;
+          std::vector<float> k, v;
+          for (std::size_t c = 0; c < chosen.size(); ++c) {
+            const auto& m = p.dev.paged();
+            const std::size_t q = chosen[c], n = sizes[c], len = m.layer_length(l, q);
+            if (len + n > kMaxLen) continue;
+            // the ids registered where the layer is behind them, fresh ones past them
+            std::vector<token_id> all(m.tokens(q).begin(), m.tokens(q).end());
+            all.resize(std::max(all.size(), len + n));
+            const std::size_t registered = m.tokens(q).size();
+            for (std::size_t pos = std::max(len, registered); pos < len + n; ++pos) {
+              all[pos] = some_ids(1)[0];
+            }
+            all.resize(len + n);
+            const auto kv = kSynth.kv(l, all, len, n);
+            seqs.push_back(q);
+            counts.push_back(n);
+            ids.insert(ids.end(), all.begin() + static_cast<std::ptrdiff_t>(len), all.end());
+            k.insert(k.end(), kv.k.begin(), kv.k.end());
+            v.insert(v.end(), kv.v.begin(), kv.v.end());
+          }
+          if (seqs.empty()) continue;
+          kcuda::DeviceBuffer<float> dk(k.size()), dv(v.size());
+          kcuda::check(cudaMemcpy(dk.data(), k.data(), k.size() * 4, cudaMemcpyHostToDevice), "k");
+          kcuda::check(cudaMemcpy(dv.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice), "v");
+          // The device's batch is all or nothing; the host appends one sequence at a time, so
+          // it follows only a batch the device took (check_state() then shows that a refused
+          // batch changed nothing).
+          try {
+            p.dev.append(l, seqs, counts, ids, dk.data(), dv.data(), nullptr);
+          } catch (const kvcache::capacity_error&) {
+            ++refused;
+            break;
+          }
+          ++appended;
+          if (!twin) continue;
+          for (std::size_t i = 0, t = 0; i < seqs.size(); t += counts[i++]) {
+            const std::size_t n = counts[i] * kHeads * kDim, at = t * kHeads * kDim;
+            p.host.append(l, seqs[i], std::span<const token_id>(ids).subspan(t, counts[i]),
+                          kvcache::TokenBlock<const float>{std::span<const float>(k).subspan(at, n),
+                                                           counts[i], kHeads, kDim},
+                          kvcache::TokenBlock<const float>{std::span<const float>(v).subspan(at, n),
+                                                           counts[i], kHeads, kDim});
+          }
+        }
+        break;
+      }
+      case 4:
+        if (seq != other) {
+          p.both([&] { p.host.release(other); }, [&] { p.dev.release(other, nullptr); });
+          p.both([&] { p.host.fork(seq, other); }, [&] { p.dev.fork(seq, other, nullptr); });
+        }
+        break;
+      case 5: {
+        const std::vector<std::size_t> dst{seq, other == seq ? (seq + 1) % kBatch : other},
+            src{dst[1], dst[0]};
+        p.both([&] { p.host.reorder(dst, src); }, [&] { p.dev.reorder(dst, src, nullptr); });
+        break;
+      }
+      case 6: {
+        const std::size_t n = pick(p.dev.seq_length(seq) + 1);
+        p.both([&] { p.host.crop(seq, n); }, [&] { p.dev.crop(seq, n, nullptr); });
+        break;
+      }
+      case 7:
+        if (pick(2) == 0) {
+          p.both([&] { p.host.release(seq); }, [&] { p.dev.reset(seq, nullptr); });
+        } else {
+          const auto ids = some_ids(1);
+          p.both([&] { p.host.add_tokens(seq, ids); },
+                 [&] { p.dev.add_tokens(seq, ids, nullptr); });
+          const std::size_t evicted = p.dev.evict_cached(1);
+          if (twin) REQUIRE(p.host.evict_cached(1) == evicted);
+        }
+        break;
+    }
+    p.check_state();
+    if (step % 16 == 0) p.check_rows();
+  }
+  p.check_rows();
+  INFO("layer batches " << appended << " (" << refused << " refused), copy-on-write copies "
+                        << copies());
+  REQUIRE(appended > steps / 4);
+  REQUIRE(copies() > 0);
+}
+
+}  // namespace
+
+TEST_CASE("a paged DeviceCache keeps PagedCache's bookkeeping and rows, operation for operation",
+          "[cuda]") {
+  if (!have_device()) return;
+  auto rng = kvcache::test::make_rng("device_paged_twin");
+  for (bool evict : {false, true}) {
+    INFO("evict_when_full " << evict);
+    for (int seed = 0; seed < 3; ++seed) {
+      run(rng, evict, true, 300);
+      run(rng, evict, false, 300);
+    }
+  }
+}
+
+TEST_CASE("a paged DeviceCache shares a cached prompt and refuses what PagedCache refuses",
+          "[cuda]") {
+  if (!have_device()) return;
+  Pair p(8, false);
+  const auto prompt = kvcache::test::iota_ids(9, 40);
+  REQUIRE(p.dev.admit(0, prompt, 0, nullptr) == 0);
+  REQUIRE(p.host.admit(0, prompt) == 0);
+  for (std::size_t l = 0; l < kLayers; ++l) {
+    const auto kv = kSynth.kv(l, prompt, 0, prompt.size());
+    kcuda::DeviceBuffer<float> dk(kv.k.size()), dv(kv.v.size());
+    kcuda::check(cudaMemcpy(dk.data(), kv.k.data(), kv.k.size() * 4, cudaMemcpyHostToDevice), "k");
+    kcuda::check(cudaMemcpy(dv.data(), kv.v.data(), kv.v.size() * 4, cudaMemcpyHostToDevice), "v");
+    const std::vector<std::size_t> seqs{0}, counts{prompt.size()};
+    p.dev.append(l, seqs, counts, dk.data(), dv.data(), nullptr);
+    p.host.append(l, 0, kv.k_block(0, prompt.size()), kv.v_block(0, prompt.size()));
+  }
+  p.dev.release(0, nullptr);
+  p.host.release(0);
+  REQUIRE(p.dev.match_prefix(prompt) == 8);
+  REQUIRE(p.dev.match_prefix(prompt, 5) == 0);
+  REQUIRE(p.dev.admit(1, prompt, 0, nullptr) == 8);
+  REQUIRE(p.host.admit(1, prompt) == 8);
+  p.check_state();
+  p.check_rows();
+  // appending ids that differ from the registered ones is refused, unchanged
+  kcuda::DeviceBuffer<float> one(kHeads * kDim);
+  const std::vector<std::size_t> seqs{1}, counts{1};
+  const std::vector<token_id> wrong{7};
+  REQUIRE_THROWS_AS(p.dev.append(0, seqs, counts, wrong, one.data(), one.data(), nullptr),
+                    kvcache::position_error);
+  p.check_state();
+  // the other layouts have no ids
+  kcuda::DeviceCache<float> flat(
+      {.num_layers = 1, .num_kv_heads = 1, .head_dim = 8, .max_seq_len = 8});
+  REQUIRE_THROWS_AS(flat.admit(0, prompt, 0, nullptr), kvcache::shape_error);
+}
