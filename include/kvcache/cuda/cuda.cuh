@@ -8,6 +8,7 @@
 
 #include "kvcache/cuda/attend.cuh"
 #include "kvcache/cuda/cache.cuh"
+#include "kvcache/cuda/csr.cuh"
 #include "kvcache/cuda/decode.cuh"
 #include "kvcache/cuda/prefill.cuh"
 #include "kvcache/cuda/runtime.cuh"

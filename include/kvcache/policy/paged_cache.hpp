@@ -372,8 +372,16 @@ class PagedCache {
   /// How many block-table entries name block b. @throws shape_error unless b < num_blocks.
   [[nodiscard]] std::size_t ref_count(block_id b) const { return manager_.ref_count(b); }
 
-  /// The bookkeeping (read-only): what an engine with its own kernels reads block tables from.
+  /// The bookkeeping (read-only): what an engine with its own kernels reads block tables from
+  /// (export_csr(cache.manager(), layer, seqs, ...) in manager/csr.hpp).
   [[nodiscard]] const manager_type& manager() const noexcept { return manager_; }
+
+  /// Layer `layer`'s pool, [num_blocks][K, V][num_kv_heads][block_size][head_dim]: what block
+  /// ids (block_table(), export_csr()) index, for kernels of the engine's own. @pre layer <
+  /// num_layers.
+  [[nodiscard]] const T* layer_data(std::size_t layer) const noexcept {
+    return blocks_.layer_base(layer);
+  }
 
   /// BlockManager::check_consistency(): "" or the first broken invariant. For tests; needs no
   /// concurrent mutation.
