@@ -5,7 +5,7 @@
 // statistics and errors, the device's block table and lengths must mirror its bookkeeping, and
 // the device pool must hold every sequence's rows bit for bit (copy-on-write copies included).
 // Batched appends (several sequences in one call, which a host PagedCache does not take) are
-// checked the same way without the host.
+// checked the same way without the host. Also export_csr() and snapshots of device caches.
 // Skips with a message when no CUDA device is present.
 #include <cstdlib>
 #include <map>
@@ -16,10 +16,12 @@
 #include <vector>
 
 #include "kvcache/cuda/cuda.cuh"
+#include "kvcache/cuda/snapshot.cuh"
 #include "kvcache/kvcache.hpp"
 #include "support/catch.hpp"
 #include "support/prefix_helpers.hpp"
 #include "support/rng.hpp"
+#include "support/snapshot_helpers.hpp"
 
 // No `using namespace kvcache`: CUDA's headers declare a global `half` and namespace `cuda`.
 namespace kcuda = kvcache::cuda;
@@ -370,4 +372,117 @@ TEST_CASE("export_csr of a paged DeviceCache writes on the device what the host 
   std::int32_t first = -1;
   kcuda::check(cudaMemcpy(&first, one.data(), 4, cudaMemcpyDeviceToHost), "indptr");
   REQUIRE(first == 0);
+}
+
+namespace {
+
+// Appends the K/V of ids[len .. len + n) to `layer` of `seq` (with the ids).
+void device_append(kcuda::DeviceCache<float>& dev, std::size_t layer, std::size_t seq,
+                   const std::vector<token_id>& ids, std::size_t len, std::size_t n) {
+  const auto kv = kSynth.kv(layer, ids, len, n);
+  kcuda::DeviceBuffer<float> dk(kv.k.size()), dv(kv.v.size());
+  kcuda::check(cudaMemcpy(dk.data(), kv.k.data(), kv.k.size() * 4, cudaMemcpyHostToDevice), "k");
+  kcuda::check(cudaMemcpy(dv.data(), kv.v.data(), kv.v.size() * 4, cudaMemcpyHostToDevice), "v");
+  const std::vector<std::size_t> seqs{seq}, counts{n};
+  dev.append(layer, seqs, counts, std::span<const token_id>(ids).subspan(len, n), dk.data(),
+             dv.data(), nullptr);
+}
+
+// Every (layer, seq) of two paged device caches holds the same positions, rows, ids and key.
+void require_same(const kcuda::DeviceCache<float>& a, const kcuda::DeviceCache<float>& b) {
+  for (std::size_t q = 0; q < kBatch; ++q) {
+    INFO("sequence " << q);
+    REQUIRE(std::ranges::equal(a.paged().tokens(q), b.paged().tokens(q)));
+    REQUIRE(a.paged().extra_key(q) == b.paged().extra_key(q));
+    for (std::size_t l = 0; l < kLayers; ++l) {
+      const std::size_t len = a.layer_length(l, q), n = len * kHeads * kDim;
+      REQUIRE(b.layer_length(l, q) == len);
+      std::vector<float> ka(n), va(n), kb(n), vb(n);
+      a.read_rows(l, q, ka, va, nullptr);
+      b.read_rows(l, q, kb, vb, nullptr);
+      REQUIRE(ka == kb);
+      REQUIRE(va == vb);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host caches' format",
+          "[cuda]") {
+  if (!have_device()) return;
+  const kvcache::test::TempDir dir("device-snapshot");
+  const kvcache::ModelId model("device-snapshot-test");
+  Pair p(40, false);
+  const auto prompt = kvcache::test::iota_ids(13, 5);
+  (void)p.dev.admit(0, prompt, 77, nullptr);  // under a cache salt
+  for (std::size_t l = 0; l < kLayers; ++l) device_append(p.dev, l, 0, prompt, 0, 13);
+  p.dev.fork(0, 1, nullptr);
+  auto longer = prompt;
+  longer.push_back(3);
+  longer.push_back(4);
+  p.dev.add_tokens(1, std::span<const token_id>(longer).subspan(13), nullptr);
+  for (std::size_t l = 0; l < kLayers; ++l) device_append(p.dev, l, 1, longer, 13, 2);
+  const auto other = kvcache::test::iota_ids(7, 200);  // layers of unequal length, no salt
+  (void)p.dev.admit(2, other, 0, nullptr);
+  device_append(p.dev, 0, 2, other, 0, 7);
+  device_append(p.dev, 1, 2, other, 0, 5);
+  const auto file = dir.path() / "device.kvc";
+  kcuda::save_snapshot(file, p.dev, model);
+
+  // into another device cache: the same sequences, and the prefix index rebuilt
+  Pair q(40, false);
+  (void)kcuda::load_snapshot(file, q.dev, model);
+  require_same(p.dev, q.dev);
+  REQUIRE(q.dev.check_device_mirror(nullptr) == "");
+  CHECK(std::ranges::equal(q.dev.paged().block_table(0).first(3),
+                           q.dev.paged().block_table(1).first(3)));  // shared again
+  q.dev.release(0, nullptr);
+  q.dev.release(1, nullptr);
+  CHECK(q.dev.match_prefix(prompt, 77) == 12);
+  CHECK(q.dev.match_prefix(prompt) == 0);
+
+  // into a host PagedCache: the same format
+  kvcache::PagedCache<float> host({.num_layers = kLayers,
+                                   .num_kv_heads = kHeads,
+                                   .head_dim = kDim,
+                                   .num_blocks = 40,
+                                   .block_size = 8,  // another block size: rows move by position
+                                   .max_batch = kBatch,
+                                   .max_seq_len = kMaxLen});
+  (void)kvcache::load_snapshot(file, host, model);
+  for (std::size_t s = 0; s < 3; ++s) {
+    REQUIRE(host.extra_key(s) == p.dev.paged().extra_key(s));
+    for (std::size_t l = 0; l < kLayers; ++l) {
+      const std::size_t len = host.layer_length(l, s), n = len * kHeads * kDim;
+      std::vector<float> kh(n), vh(n), kd(n), vd(n);
+      kcuda::detail::pack_rows(host.view(l, s), std::span<float>(kh), std::span<float>(vh));
+      p.dev.read_rows(l, s, kd, vd, nullptr);
+      REQUIRE(kh == kd);
+      REQUIRE(vh == vd);
+    }
+  }
+  // and back from the host, into other slots of a device cache
+  const auto host_file = dir.path() / "host.kvc";
+  kvcache::save_snapshot(host_file, host, model, std::vector<std::size_t>{0, 2});
+  Pair r(40, false);
+  const std::vector<std::size_t> to{3, 1};
+  (void)kcuda::load_snapshot(host_file, r.dev, model, {.dest_seqs = to});
+  REQUIRE(r.dev.layer_length(0, 3) == 13);
+  REQUIRE(r.dev.layer_length(1, 1) == 5);
+  REQUIRE(r.dev.paged().extra_key(3) == 77);
+  REQUIRE(r.dev.check_device_mirror(nullptr) == "");
+
+  // a pool too small refuses the load and changes nothing
+  Pair small(3, false);
+  (void)small.dev.admit(0, kvcache::test::iota_ids(5, 1), 0, nullptr);
+  const auto before = small.dev.paged().stats();
+  REQUIRE_THROWS_AS(kcuda::load_snapshot(file, small.dev, model), kvcache::pool_exhausted_error);
+  REQUIRE(small.dev.paged().stats() == before);
+  REQUIRE(small.dev.paged().tokens(0).size() == 5);
+  REQUIRE(small.dev.check_device_mirror(nullptr) == "");
+  // a device cache of another layout has no snapshots of this kind
+  kcuda::DeviceCache<float> flat(
+      {.num_layers = kLayers, .num_kv_heads = kHeads, .head_dim = kDim, .max_seq_len = 8});
+  REQUIRE_THROWS_AS(kcuda::save_snapshot(file, flat, model), kvcache::shape_error);
 }

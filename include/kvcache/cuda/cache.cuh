@@ -24,6 +24,7 @@
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/error.hpp"
 #include "kvcache/core/prefix_cache_concept.hpp"
+#include "kvcache/core/restore.hpp"
 #include "kvcache/cuda/cache_kernels.cuh"
 #include "kvcache/cuda/paged_tables.cuh"
 #include "kvcache/cuda/runtime.cuh"
@@ -343,6 +344,13 @@ class DeviceCache {
     require_paged("paged");
     return paged_->manager();
   }
+  /// PagedCache::restore() on the device, paged layout (cuda/cache_restore.cuh).
+  void restore(std::span<const LayerRestore<T>> entries, std::span<const SequenceTokens> tokens,
+               cudaStream_t stream);
+  /// The rows of `layer` of `seq` in host memory, packed (cuda/cache_restore.cuh).
+  void read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
+                 cudaStream_t stream) const;
+
   /// "" or a description of the first difference between the device's block table and lengths
   /// and the bookkeeping's (downloads them: synchronises), else the manager's
   /// check_consistency(). For tests.
@@ -548,3 +556,5 @@ class DeviceCache {
 };
 
 }  // namespace kvcache::cuda
+
+#include "kvcache/cuda/cache_restore.cuh"  // IWYU pragma: export

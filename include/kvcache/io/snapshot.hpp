@@ -249,6 +249,8 @@ struct SnapshotSequenceInfo {
   std::size_t seq = 0;
   /// Positions appended to its layer 0 (its seq_length).
   std::size_t length = 0;
+  /// Positions appended to its longest layer (what a paged cache needs blocks for).
+  std::size_t longest = 0;
   /// The token ids (TokenTrackedCache snapshots: the committed ones; PagedCache snapshots: the
   /// registered ones, which may run ahead of length; empty otherwise).
   std::vector<token_id> token_ids;
@@ -539,6 +541,9 @@ inline SnapshotInfo make_info(const snapshot_format::Parsed& p, std::span<const 
     SnapshotSequenceInfo si;
     si.seq = static_cast<std::size_t>(s.seq);
     si.length = static_cast<std::size_t>(s.layers.front().length);
+    for (const auto& st : s.layers) {
+      si.longest = std::max(si.longest, static_cast<std::size_t>(st.length));
+    }
     si.token_ids.resize(s.num_token_ids);
     copy_bytes(si.token_ids.data(), bytes.data() + s.token_ids_offset,
                s.num_token_ids * sizeof(token_id));

@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: Apache-2.0
+// DeviceCache::restore() and read_rows(): a paged device cache's rows to and from host memory,
+// what snapshots of device caches go through (cuda/snapshot.cuh). Part of DeviceCache
+// (cache.cuh includes it).
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
+#include <algorithm>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "kvcache/core/error.hpp"
+#include "kvcache/core/restore.hpp"
+#include "kvcache/cuda/cache.cuh"
+#include "kvcache/cuda/runtime.cuh"
+
+namespace kvcache::cuda {
+
+/// PagedCache::restore() on the device (paged layout; snapshots of device caches go through
+/// it, see cuda/snapshot.cuh): replaces every sequence an entry or `tokens` names, sharing
+/// the blocks the index or another named sequence already has and copying the other rows from
+/// host memory into fresh blocks, then indexing the full ones. One host-to-device copy per
+/// fresh block of each layer, all on `stream`, which is synchronised once at the end (the rows
+/// are staged in host memory until then). Allocates the staging buffer and the plan.
+/// @throws shape_error (not paged), and as PagedCache::restore(), all before anything
+///         changes; cuda_error.
+template <Element T>
+void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
+                             std::span<const SequenceTokens> tokens, cudaStream_t stream) {
+  require_paged("restore");
+  const CacheShape shape{config_.num_layers, config_.num_kv_heads, config_.head_dim, dtype_of<T>};
+  kvcache::detail::check_restore_entries("DeviceCache", entries, shape, config_.max_batch);
+  std::vector<RestoreExtent> extents(entries.size());
+  std::size_t most_fresh = 0;  // blocks the rows could need: the staging, allocated up front
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const LayerRestore<T>& e = entries[i];
+    if (e.sink_end != 0 || e.recent_begin != 0) {
+      throw position_error(kvcache::detail::message(
+          "DeviceCache: restore entry ", i, " drops positions [", e.sink_end, ", ", e.recent_begin,
+          "), but a paged cache holds every position"));
+    }
+    extents[i] = {e.layer, e.seq, static_cast<std::size_t>(e.length)};
+    most_fresh += (e.held() + config_.block_size - 1) / config_.block_size;
+  }
+  const std::size_t block_elems = 2 * v_offset(),
+                    head_elems = config_.block_size * config_.head_dim;
+  std::vector<T> staging(most_fresh * block_elems);
+  std::vector<bool> named(config_.max_batch, false);  // whose table and lengths change
+  for (const LayerRestore<T>& e : entries) named[e.seq] = true;
+  for (const SequenceTokens& t : tokens) {
+    if (t.seq < config_.max_batch) named[t.seq] = true;  // begin_restore() refuses the others
+  }
+  BlockManager<>& m = paged_->manager();
+  const RestorePlan plan = m.begin_restore(extents, tokens);
+  std::size_t used = 0;
+  for (const LayerRestore<T>& e : entries) {  // rows into the fresh blocks only
+    const std::size_t n = e.held();
+    const auto table = m.block_table(e.seq);
+    for (const RestorePlan::Range r : plan.fresh_blocks(e.seq)) {
+      for (std::size_t i = r.begin; i < r.end && i * config_.block_size < n; ++i) {
+        T* block = staging.data() + used++ * block_elems;
+        const std::size_t first = i * config_.block_size;
+        const std::size_t rows = std::min(config_.block_size, n - first);
+        kvcache::detail::copy_packed_rows(block, head_elems, 0, e.k.data(), n, first, rows, shape);
+        kvcache::detail::copy_packed_rows(block + v_offset(), head_elems, 0, e.v.data(), n, first,
+                                          rows, shape);
+        T* dst = storage_.data() + layer_offset(e.layer) + std::size_t{table[i]} * block_elems;
+        check(cudaMemcpyAsync(dst, block, block_elems * sizeof(T), cudaMemcpyHostToDevice, stream),
+              "cudaMemcpyAsync(restore)");
+      }
+    }
+  }
+  m.end_restore(plan);
+  for (std::size_t q = 0; q < config_.max_batch; ++q) {
+    if (named[q]) sync_sequence(q, stream);
+  }
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(restore)");
+}
+
+/// The rows `layer` of `seq` holds (paged layout), downloaded into host memory packed as a
+/// LayerRestore holds them: k and v [num_kv_heads][layer_length][head_dim]. One copy per
+/// block, then one synchronisation of `stream` (after the cache's earlier work on it).
+/// @throws shape_error (not paged; k or v of another size), layer_error, batch_error,
+///         cuda_error.
+template <Element T>
+void DeviceCache<T>::read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
+                               cudaStream_t stream) const {
+  require_paged("read_rows");
+  const std::size_t len = layer_length(layer, seq);
+  const std::size_t row = config_.num_kv_heads * config_.head_dim;
+  if (k.size() != len * row || v.size() != len * row) {
+    throw shape_error(kvcache::detail::message("DeviceCache::read_rows: sequence ", seq, " layer ",
+                                               layer, " holds ", len, " positions: K and V need ",
+                                               len * row, " elements each, got ", k.size(), " and ",
+                                               v.size()));
+  }
+  const std::size_t bs = config_.block_size, block_elems = 2 * v_offset();
+  const std::size_t pages = (len + bs - 1) / bs;
+  std::vector<T> staging(pages * block_elems);
+  const auto table = paged_->manager().block_table(seq);
+  for (std::size_t i = 0; i < pages; ++i) {
+    const T* src = storage_.data() + layer_offset(layer) + std::size_t{table[i]} * block_elems;
+    check(cudaMemcpyAsync(staging.data() + i * block_elems, src, block_elems * sizeof(T),
+                          cudaMemcpyDeviceToHost, stream),
+          "cudaMemcpyAsync(read_rows)");
+  }
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(read_rows)");
+  const std::size_t d = config_.head_dim;
+  for (std::size_t pos = 0; pos < len; ++pos) {
+    const T* block = staging.data() + (pos / bs) * block_elems + (pos % bs) * d;
+    for (std::size_t h = 0; h < config_.num_kv_heads; ++h) {
+      std::copy_n(block + h * bs * d, d, k.data() + (h * len + pos) * d);
+      std::copy_n(block + v_offset() + h * bs * d, d, v.data() + (h * len + pos) * d);
+    }
+  }
+}
+
+}  // namespace kvcache::cuda

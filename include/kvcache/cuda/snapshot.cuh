@@ -1,0 +1,156 @@
+// SPDX-License-Identifier: Apache-2.0
+// Snapshots of a paged DeviceCache in the file format of the host caches (a PagedCache
+// snapshot): the sequences pass through a host PagedCache sized for them, so a prompt prefilled
+// on a GPU loads into a CPU cache, or another GPU's, and the reverse.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "kvcache/cuda/*.cuh are CUDA headers: compile them with nvcc (KVCACHE_ENABLE_CUDA=ON)"
+#endif
+
+#include <algorithm>
+#include <cstddef>
+#include <filesystem>
+#include <numeric>
+#include <span>
+#include <vector>
+
+#include "kvcache/cuda/cache.cuh"
+#include "kvcache/io/snapshot.hpp"
+#include "kvcache/policy/paged_cache.hpp"
+
+namespace kvcache::cuda {
+
+namespace detail {
+
+// A host PagedCache with the device cache's shape, slots, max_seq_len and block size, and
+// `blocks` blocks: the staging of a device snapshot.
+template <Element T>
+PagedCache<T> staging_cache(const DeviceCache<T>& cache, std::size_t blocks) {
+  const DeviceCacheConfig& c = cache.config();
+  return PagedCache<T>({.num_layers = c.num_layers,
+                        .num_kv_heads = c.num_kv_heads,
+                        .head_dim = c.head_dim,
+                        .num_blocks = std::max<std::size_t>(blocks, 1),
+                        .block_size = c.block_size,
+                        .max_batch = c.max_batch,
+                        .max_seq_len = c.max_seq_len});
+}
+
+// The rows of one (layer, seq) of a host view, packed [heads][length][head_dim] into k and v.
+template <class View, Element T>
+void pack_rows(const View& view, std::span<T> k, std::span<T> v) {
+  const auto len = static_cast<std::size_t>(view.length());
+  const std::size_t d = view.head_dim();
+  for (std::size_t i = 0; i < view.num_segments(); ++i) {
+    const auto seg = view.segment(i);
+    const auto first = static_cast<std::size_t>(seg.first_pos);
+    for (std::size_t h = 0; h < view.num_kv_heads(); ++h) {
+      std::copy_n(seg.k + h * seg.head_stride, seg.len * d, k.data() + (h * len + first) * d);
+      std::copy_n(seg.v + h * seg.head_stride, seg.len * d, v.data() + (h * len + first) * d);
+    }
+  }
+}
+
+// What restore() takes to put `seqs` of `source` into another cache: per (layer, seq) the rows
+// (`rows` owns them), per seq its ids, exact prefix and extra key. read(l, q, k, v) fills rows.
+template <Element T, class Source, class Read>
+void collect(const Source& source, std::span<const std::size_t> seqs, std::size_t num_layers,
+             std::size_t row, Read&& read, std::vector<std::vector<T>>& rows,
+             std::vector<LayerRestore<T>>& entries, std::vector<SequenceTokens>& tokens) {
+  rows.reserve(2 * seqs.size() * num_layers);
+  for (std::size_t q : seqs) {
+    for (std::size_t l = 0; l < num_layers; ++l) {
+      const std::size_t len = source.layer_length(l, q);
+      std::vector<T>& k = rows.emplace_back(len * row);
+      std::vector<T>& v = rows.emplace_back(len * row);
+      read(l, q, std::span<T>(k), std::span<T>(v));
+      entries.push_back({.layer = l,
+                         .seq = q,
+                         .length = static_cast<position_t>(len),
+                         .k = std::span<const T>(k),
+                         .v = std::span<const T>(v)});
+    }
+    tokens.push_back({.seq = q,
+                      .ids = source.tokens(q),
+                      .exact_prefix = source.exact_prefix(q),
+                      .extra_key = source.extra_key(q)});
+  }
+}
+
+}  // namespace detail
+
+/// kvcache::save_snapshot() of a paged DeviceCache: sequences `seqs` (empty: all) are read from
+/// the device (DeviceCache::read_rows: after the work already on `stream`) into a host
+/// PagedCache just large enough for them, which is then saved: the file is a PagedCache
+/// snapshot, token ids, cache salts and exact prefixes included. Host memory: about twice the
+/// saved K/V. The device cache is only read.
+/// @throws shape_error (not paged; a sequence listed twice), batch_error, io_error,
+///         cuda_error, std::bad_alloc.
+template <Element T>
+void save_snapshot(const std::filesystem::path& path, const DeviceCache<T>& cache,
+                   const ModelId& model_id, std::span<const std::size_t> seqs = {},
+                   const SaveOptions& options = {}, cudaStream_t stream = nullptr) {
+  const BlockManager<>& m = cache.paged();
+  std::vector<std::size_t> list(seqs.begin(), seqs.end());
+  if (list.empty()) {
+    list.resize(m.max_batch());
+    std::iota(list.begin(), list.end(), std::size_t{0});
+  }
+  std::size_t blocks = 0;
+  for (std::size_t q : list) blocks += m.block_table(q).size();
+  PagedCache<T> staging = detail::staging_cache(cache, blocks);
+  std::vector<std::vector<T>> rows;
+  std::vector<LayerRestore<T>> entries;
+  std::vector<SequenceTokens> tokens;
+  const DeviceCacheConfig& c = cache.config();
+  detail::collect<T>(
+      m, list, c.num_layers, c.num_kv_heads * c.head_dim,
+      [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v) {
+        cache.read_rows(l, q, k, v, stream);
+      },
+      rows, entries, tokens);
+  staging.restore(entries, tokens);
+  kvcache::save_snapshot(path, staging, model_id, seqs, options);
+}
+
+/// kvcache::load_snapshot() into a paged DeviceCache: the file (a PagedCache snapshot, from a
+/// host or a device cache) is validated and loaded into a host PagedCache sized from
+/// read_snapshot_info(), then restored into the device (DeviceCache::restore: blocks equal to
+/// cached ones, or to another loaded sequence's, are shared; the full blocks are indexed, so a
+/// loaded prompt serves prefix hits on the GPU). Returns what load_snapshot() reports.
+/// @post on throw before the device copy, `cache` is unchanged (every check, the pool's
+///       included, comes first).
+/// @throws as kvcache::load_snapshot() (snapshot_mismatch_error for another policy, model or
+///         shape), shape_error (not paged), pool_exhausted_error (the device pool lacks the
+///         blocks), cuda_error, std::bad_alloc.
+template <Element T>
+SnapshotInfo load_snapshot(const std::filesystem::path& path, DeviceCache<T>& cache,
+                           const ModelId& model_id, const LoadOptions& options = {},
+                           cudaStream_t stream = nullptr) {
+  (void)cache.paged();  // shape_error unless paged
+  const SnapshotInfo file = read_snapshot_info(path);
+  const std::size_t bs = cache.config().block_size;
+  std::size_t blocks = 0;
+  for (const SnapshotSequenceInfo& s : file.sequences) blocks += (s.longest + bs - 1) / bs;
+  PagedCache<T> staging = detail::staging_cache(cache, blocks);
+  SnapshotInfo info = kvcache::load_snapshot(path, staging, model_id, options);
+  std::vector<std::size_t> dest(options.dest_seqs.begin(), options.dest_seqs.end());
+  if (dest.empty()) {
+    for (const SnapshotSequenceInfo& s : info.sequences) dest.push_back(s.seq);
+  }
+  std::vector<std::vector<T>> rows;
+  std::vector<LayerRestore<T>> entries;
+  std::vector<SequenceTokens> tokens;
+  const DeviceCacheConfig& c = cache.config();
+  detail::collect<T>(
+      staging, dest, c.num_layers, c.num_kv_heads * c.head_dim,
+      [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v) {
+        detail::pack_rows(staging.view(l, q), k, v);
+      },
+      rows, entries, tokens);
+  cache.restore(entries, tokens, stream);
+  return info;
+}
+
+}  // namespace kvcache::cuda
