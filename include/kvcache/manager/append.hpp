@@ -53,8 +53,10 @@ void BlockManager<Hasher>::check_append(std::size_t layer, std::size_t seq, std:
 /// for the shared or indexed blocks the rows go into: copy-on-write) under one lock, so the batch
 /// succeeds or fails whole. plans[i] says where request i writes and what to copy first; the
 /// storage copies every plan's blocks (in one launch, on a GPU) and writes the rows (neither may
-/// throw), then end_append(plans) finishes. Never allocates. O(sum of n / block_size + requests^2)
-/// (the check that no sequence is listed twice).
+/// throw), then end_append(plans) finishes. A block that two sequences of one batch share is
+/// copied for each of them (appended one at a time, the second would find it unshared): the same
+/// contents, one more block until end_append() frees the original. Never allocates. O(sum of n /
+/// block_size + requests^2) (the check that no sequence is listed twice).
 /// @throws shape_error (plans shorter than requests, a sequence listed twice), layer_error,
 ///         batch_error, capacity_error (past max_seq_len), position_error (see "Token ids and
 ///         commitment"), pool_exhausted_error; nothing changed on throw.
