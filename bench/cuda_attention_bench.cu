@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kcuda::kDecodeThreads)
   char* tiles = reinterpret_cast<char*>(smem);
   auto* pos = reinterpret_cast<std::int64_t*>(smem + L::kPos);
   const int seq = blockIdx.z, kv_head = blockIdx.y;
-  const kd::KeyRange keys = kd::key_range(view, seq);
+  const kd::KeyRange keys = view.key_range(seq);
   const std::int64_t begin = blockIdx.x * keys_per_split;
   const std::int64_t end =
       keys.count() < begin + keys_per_split ? keys.count() : begin + keys_per_split;

@@ -14,6 +14,8 @@
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/layout.hpp"
+#include "kvcache/core/mask.hpp"
 #include "kvcache/core/prefix_cache_concept.hpp"
 #include "kvcache/core/restore.hpp"
 #include "kvcache/core/tensor.hpp"

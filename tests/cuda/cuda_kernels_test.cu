@@ -72,10 +72,10 @@ kcuda::DeviceBuffer<T> upload(const std::vector<T>& host) {
 // Host copy of DeviceKVView::row_offset (same formula, for reading downloaded storage).
 template <Element T>
 std::int64_t host_row_offset(const kcuda::DeviceKVView<T>& v,
-                             const std::vector<std::int32_t>& table, int seq, int head,
+                             const std::vector<kvcache::block_id>& table, int seq, int head,
                              std::int64_t pos) {
   if (v.layout == kcuda::Layout::paged) {
-    const std::int32_t block =
+    const kvcache::block_id block =
         table[static_cast<std::size_t>(seq) * v.max_blocks + pos / v.block_size];
     return block * v.block_stride + head * v.head_stride + (pos % v.block_size) * v.head_dim;
   }
@@ -210,7 +210,7 @@ std::size_t count_mismatches(const kcuda::DeviceCache<T>& dev, const CpuTwin<T>&
   std::size_t mismatches = 0;
   for (std::size_t l = 0; l < t.layers; ++l) {
     const auto view = dev.view(l);
-    std::vector<std::int32_t> table;
+    std::vector<kvcache::block_id> table;
     if (t.layout == kcuda::Layout::paged) {
       table = download(view.block_table, t.batch * static_cast<std::size_t>(view.max_blocks));
     }
@@ -766,7 +766,7 @@ bool sees(const AttentionOptions& o, std::int64_t qpos, std::int64_t kpos) {
 template <Element T>
 struct HandKV {
   kcuda::DeviceBuffer<T> k, v;
-  kcuda::DeviceBuffer<std::int32_t> table;
+  kcuda::DeviceBuffer<kvcache::block_id> table;
   kcuda::DeviceBuffer<std::int64_t> length;
   kcuda::DeviceKVView<T> view;
 };
@@ -787,7 +787,7 @@ std::unique_ptr<HandKV<T>> hand_kv(kcuda::Layout layout,
   v.head_dim = dim;
   v.layout = layout;
   v.max_keys = *std::max_element(lengths.begin(), lengths.end());
-  std::vector<std::int32_t> table;
+  std::vector<kvcache::block_id> table;
   std::size_t elements = 0;
   if (layout == kcuda::Layout::paged) {
     v.max_blocks = static_cast<int>(cap / 16);
@@ -795,7 +795,8 @@ std::unique_ptr<HandKV<T>> hand_kv(kcuda::Layout layout,
     v.head_stride = 16 * dim;
     v.block_stride = v.head_stride * heads;
     const int num_blocks = batch * v.max_blocks + 1;
-    for (int i = 0; i < batch * v.max_blocks; ++i) table.push_back(num_blocks - 1 - i);
+    for (int i = 0; i < batch * v.max_blocks; ++i)
+      table.push_back(static_cast<kvcache::block_id>(num_blocks - 1 - i));
     elements = static_cast<std::size_t>(num_blocks * v.block_stride);
   } else {
     v.head_stride = cap * dim;

@@ -160,8 +160,8 @@ inline void store_row(const float* in, DType type, void* out, std::size_t n) noe
 /// How a tile of keys relates to one query row under the mask.
 enum class TileCover { none, partial, full };
 
-[[nodiscard]] inline TileCover tile_cover(const kvcache::detail::Mask& mask, position_t qpos,
-                                          position_t first, position_t last) noexcept {
+[[nodiscard]] inline TileCover tile_cover(const KVMask& mask, position_t qpos, position_t first,
+                                          position_t last) noexcept {
   if (!mask.causal) return TileCover::full;
   if (first > qpos) return TileCover::none;
   const position_t lo = mask.low(qpos);
@@ -183,7 +183,7 @@ struct VisibleRange {
   position_t skip_to = 0;   // keys in [sink_end, skip_to) are skipped (the rows' lowest window
                             // start, rounded down to a whole tile)
 
-  VisibleRange(const kvcache::detail::Mask& mask, position_t max_pos, position_t low_min) noexcept
+  VisibleRange(const KVMask& mask, position_t max_pos, position_t low_min) noexcept
       : causal(mask.causal), pos_max(max_pos) {
     constexpr auto tile = static_cast<position_t>(kTile);
     sink_end = (mask.sinks + tile - 1) / tile * tile;
@@ -382,7 +382,7 @@ class Sweep {
   /// @pre 1 <= num_rows <= kRowBlock; qs and acc hold num_rows * head_dim floats, 64-byte aligned;
   /// view, rows and mask outlive the sweep.
   Sweep(const ErasedView<T>& view, std::size_t kv_head, const Row* rows, std::size_t num_rows,
-        const kvcache::detail::Mask& mask, float scale, float softcap, float* qs, float* acc,
+        const KVMask& mask, float scale, float softcap, float* qs, float* acc,
         std::size_t ahead_head, std::size_t lead_tiles) noexcept
       : rows_(rows),
         num_rows_(num_rows),
@@ -552,7 +552,7 @@ class Sweep {
 
  private:
   static VisibleRange visible_range(const Row* rows, std::size_t num_rows,
-                                    const kvcache::detail::Mask& mask) noexcept {
+                                    const KVMask& mask) noexcept {
     position_t pos_max = std::numeric_limits<position_t>::min();
     position_t low_min = std::numeric_limits<position_t>::max();
     for (std::size_t r = 0; r < num_rows; ++r) {
@@ -618,7 +618,7 @@ class Sweep {
   const Row* rows_;
   std::size_t num_rows_;
   std::size_t d_;
-  const kvcache::detail::Mask& mask_;
+  const KVMask& mask_;
   float softcap_;
   float* qs_;
   float* acc_;
@@ -660,8 +660,8 @@ inline constexpr std::size_t kLockstepSegmentBytes = std::size_t{8} << 10;
 ///      num_heads * lockstep_stride(rows_per_head, head_dim) <= kLockstepFloats.
 template <class Ops, Element T>
 void attend_heads(const ErasedView<T>& view, std::size_t head0, std::size_t num_heads,
-                  const Row* rows, std::size_t rows_per_head, const kvcache::detail::Mask& mask,
-                  float scale, float softcap) noexcept {
+                  const Row* rows, std::size_t rows_per_head, const KVMask& mask, float scale,
+                  float softcap) noexcept {
   alignas(64) float qs[kLockstepFloats];
   alignas(64) float acc[kLockstepFloats];
   std::optional<Sweep<Ops, T>> sweeps[kMaxLockstepHeads];
@@ -771,8 +771,7 @@ struct ErasedTask {
 /// ordered token-major (row = token * group + head-in-group).
 template <Element T>
 void run_item(Kernel kernel, const ErasedTask<T>& t, const TaskSplit& split, position_t first_pos,
-              std::size_t item, const kvcache::detail::Mask& mask, float scale,
-              float softcap) noexcept {
+              std::size_t item, const KVMask& mask, float scale, float softcap) noexcept {
   const std::size_t heads = t.view.num_kv_heads();
   const std::size_t group = t.num_q_heads / heads;
   const std::size_t rows_per = t.num_tokens * group;
@@ -833,7 +832,7 @@ template <KVView V, Element Q, Element O>
 void run_tasks(Kernel kernel, std::span<const AttentionTask<V, Q, O>> tasks,
                std::span<const position_t> first_pos, const AttentionOptions& opts) {
   using T = typename V::value_type;
-  const kvcache::detail::Mask mask = kvcache::detail::Mask::of(opts);
+  const KVMask mask = kvcache::detail::mask_of(opts);
   std::size_t total_work = 0;  // K/V elements swept, to decide whether threads pay off
   for (const auto& t : tasks) {
     total_work += task_items(t) * view_num_tokens(t.view) * t.view.head_dim();

@@ -14,6 +14,7 @@
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
 #include "kvcache/core/executor.hpp"
+#include "kvcache/core/mask.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -77,36 +78,13 @@ struct AttentionTask {
 
 namespace detail {
 
-/// The resolved mask of one call: key at `pos` is visible to a query at `qpos` iff
-/// !causal || (pos <= qpos && (pos > qpos - window || pos < sinks)), with window 0 = unlimited.
-struct Mask {
-  bool causal = true;
-  position_t window = 0;
-  position_t sinks = 0;
-  /// Set for PositionMode::cache_relative: the RoPE that turns queries back for the sinks.
-  const Rope* rope = nullptr;
-
-  /// The mask of an attention call's options.
-  [[nodiscard]] static Mask of(const AttentionOptions& opts) noexcept {
-    return {opts.causal, static_cast<position_t>(opts.window),
-            static_cast<position_t>(opts.num_sink_tokens),
-            opts.positions == PositionMode::cache_relative ? opts.rope : nullptr};
-  }
-
-  /// Lowest non-sink key position visible to a query at qpos.
-  [[nodiscard]] constexpr position_t low(position_t qpos) const noexcept {
-    return window == 0 ? 0 : qpos - window + 1;
-  }
-  /// By how many positions a query at qpos is turned back for the sink keys: lo - sinks with
-  /// cache-relative positions (PositionMode), else 0.
-  [[nodiscard]] constexpr position_t sink_shift(position_t qpos) const noexcept {
-    if (rope == nullptr || window == 0 || sinks == 0) return 0;
-    return std::max<position_t>(0, low(qpos) - sinks);
-  }
-  [[nodiscard]] constexpr bool visible(position_t qpos, position_t pos) const noexcept {
-    return !causal || (pos <= qpos && (pos >= low(qpos) || pos < sinks));
-  }
-};
+/// The mask of an attention call's options (KVMask; the RoPE only under cache_relative).
+[[nodiscard]] inline KVMask mask_of(const AttentionOptions& opts) noexcept {
+  return {.causal = opts.causal,
+          .window = static_cast<position_t>(opts.window),
+          .sinks = static_cast<position_t>(opts.num_sink_tokens),
+          .rope = opts.positions == PositionMode::cache_relative ? opts.rope : nullptr};
+}
 
 /// The option half of check_attention(). @throws shape_error for a negative or non-finite
 /// scale or softcap, and for a window or sinks without causal masking.
@@ -148,8 +126,9 @@ inline position_t check_query_positions(position_t n, std::optional<position_t> 
     }
     return first;
   }
-  const Mask mask{true, static_cast<position_t>(opts.window),
-                  static_cast<position_t>(opts.num_sink_tokens)};
+  const KVMask mask{.causal = true,
+                    .window = static_cast<position_t>(opts.window),
+                    .sinks = static_cast<position_t>(opts.num_sink_tokens)};
   for (position_t p = first; p < first + n; ++p) {
     if (p >= length) {
       throw position_error(detail::message("attend: query at position ", p,

@@ -45,7 +45,7 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
   const std::size_t group = q.num_heads / k.num_heads;
   const double scale =
       opts.scale > 0.0f ? static_cast<double>(opts.scale) : 1.0 / std::sqrt(static_cast<double>(d));
-  const detail::Mask mask = detail::Mask::of(opts);
+  const KVMask mask = detail::mask_of(opts);
   if (mask.rope != nullptr && mask.rope->head_dim() != d) {
     throw shape_error(
         detail::message("reference::attend_dense: cache_relative positions with a "

@@ -19,6 +19,14 @@
 #define KVCACHE_HOST_DEVICE
 #endif
 
+/// As KVCACHE_HOST_DEVICE, for small functions the kernels call per key: forced inline in device
+/// code, plain `inline` on the host.
+#if defined(__CUDACC__)
+#define KVCACHE_HOST_DEVICE_INLINE __host__ __device__ __forceinline__
+#else
+#define KVCACHE_HOST_DEVICE_INLINE inline
+#endif
+
 namespace kvcache {
 
 /// Absolute position of a token in its sequence (0 = first token). Signed so that window
@@ -28,6 +36,12 @@ using position_t = std::int64_t;
 
 /// A token id of the model's vocabulary.
 using token_id = std::int32_t;
+
+/// Index of a block in a paged cache's pool, 0 .. num_blocks - 1 (host and device block tables).
+using block_id = std::uint32_t;
+
+/// "No block": the parent of a first block, an empty slot, a miss.
+inline constexpr block_id kNoBlock = std::numeric_limits<block_id>::max();
 
 /// Alignment, in bytes, of every K/V storage buffer kvcache allocates (a cache line; enough for
 /// any SIMD load the kernels issue).
@@ -62,6 +76,14 @@ namespace detail {
 inline void require_nonzero(std::size_t value, const char* cache, const char* field) {
   if (value == 0) {
     throw shape_error(detail::message(cache, ": config field ", field, " must be at least 1"));
+  }
+}
+
+/// @throws shape_error unless `value` fits the layout descriptor's int fields (KVLayout).
+inline void require_int(std::size_t value, const char* cache, const char* field) {
+  if (value > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
+    throw shape_error(detail::message(cache, ": config field ", field, " is ", value,
+                                      ", more than the layout's limit 2^31 - 1"));
   }
 }
 

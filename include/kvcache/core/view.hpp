@@ -1,18 +1,22 @@
 // SPDX-License-Identifier: Apache-2.0
 // Views: what attention needs from a cache. A view is a cheap value describing one layer of one
 // sequence as a list of segments (runs of slots contiguous in memory with consecutive absolute
-// positions). KVView is the concept; SegmentView and ChunkedView are the views of the built-in
-// contiguous, ring and chunked policies.
+// positions). KVView is the concept; LayoutView (segments derived from the layout descriptor,
+// core/layout.hpp) is the view of the contiguous, ring and paged policies, ChunkedView that of
+// DynamicCache's chunks, SegmentView one built by hand from segments.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
+#include <span>
 
 #include "kvcache/core/buffer.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
+#include "kvcache/core/layout.hpp"
 
 namespace kvcache {
 
@@ -61,8 +65,78 @@ template <KVView V>
   return static_cast<std::size_t>(v.sink_end() + (v.length() - v.recent_begin()));
 }
 
-/// A view made of at most N segments stored inline: the contiguous (N = 1) and ring (N = 3)
-/// policies' view.
+/// The view of one sequence of a host KVLayout: StaticCache's (contiguous), SlidingWindowCache's
+/// (ring) and PagedCache's (paged) view. Its segments are the layout's runs of rows contiguous in
+/// memory (KVLayout::run_of: the whole sequence, the sinks then each lap of the ring, each block)
+/// cut to the positions the sequence holds, [0, sink_end) then [recent_begin, length): for a paged
+/// sequence that drops nothing, one segment per block. O(1) per segment; reads the layout's
+/// addressing (row_offset), never its per-sequence arrays.
+template <Element T>
+class LayoutView {
+ public:
+  using value_type = T;
+
+  LayoutView() = default;
+  /// Sequence `seq` of `layout`, holding the positions of `keys`. @pre the layout holds them.
+  LayoutView(const KVLayout<T>& layout, int seq, const KeyRange& keys) noexcept
+      : layout_(layout), keys_(keys), seq_(seq) {
+    sink_runs_ = runs(0, keys.sink_end);
+    first_recent_run_ = keys.recent_begin < keys.length ? layout.run_of(keys.recent_begin) : 0;
+    num_segments_ = sink_runs_ + runs(keys.recent_begin, keys.length);
+  }
+
+  [[nodiscard]] std::size_t num_kv_heads() const noexcept {
+    return static_cast<std::size_t>(layout_.num_kv_heads);
+  }
+  [[nodiscard]] std::size_t head_dim() const noexcept {
+    return static_cast<std::size_t>(layout_.head_dim);
+  }
+  [[nodiscard]] position_t length() const noexcept { return keys_.length; }
+  [[nodiscard]] position_t sink_end() const noexcept { return keys_.sink_end; }
+  [[nodiscard]] position_t recent_begin() const noexcept { return keys_.recent_begin; }
+  [[nodiscard]] std::size_t num_segments() const noexcept { return num_segments_; }
+  [[nodiscard]] KVSegment<T> segment(std::size_t i) const noexcept {
+    std::int64_t run = 0, begin = 0, end = 0;
+    if (i < sink_runs_) {
+      run = static_cast<std::int64_t>(i);
+      begin = layout_.run_begin(run);
+      end = std::min(keys_.sink_end, layout_.run_begin(run + 1));
+    } else {
+      run = first_recent_run_ + static_cast<std::int64_t>(i - sink_runs_);
+      begin = std::max(keys_.recent_begin, layout_.run_begin(run));
+      end = std::min(keys_.length, layout_.run_begin(run + 1));
+    }
+    const auto offset = static_cast<std::size_t>(layout_.row_offset(seq_, 0, begin));
+    return {layout_.k + offset, layout_.v + offset, static_cast<std::size_t>(layout_.head_stride),
+            begin, static_cast<std::size_t>(end - begin)};
+  }
+
+  /// The layout the view reads and the sequence it reads in it.
+  [[nodiscard]] const KVLayout<T>& layout() const noexcept { return layout_; }
+  [[nodiscard]] int seq() const noexcept { return seq_; }
+  /// Paged layouts: the sequence's block ids for positions [0, length), one per block; empty for
+  /// other layouts.
+  [[nodiscard]] std::span<const block_id> block_table() const noexcept {
+    if (layout_.layout != LayoutKind::paged || keys_.length == 0) return {};
+    return {layout_.block_table + static_cast<std::ptrdiff_t>(seq_) * layout_.max_blocks,
+            static_cast<std::size_t>(layout_.run_of(keys_.length - 1) + 1)};
+  }
+
+ private:
+  /// Runs the positions [a, b) span.
+  [[nodiscard]] std::size_t runs(std::int64_t a, std::int64_t b) const noexcept {
+    return b <= a ? 0 : static_cast<std::size_t>(layout_.run_of(b - 1) - layout_.run_of(a) + 1);
+  }
+
+  KVLayout<T> layout_{};
+  KeyRange keys_{};
+  int seq_ = 0;
+  std::size_t sink_runs_ = 0;
+  std::int64_t first_recent_run_ = 0;
+  std::size_t num_segments_ = 0;
+};
+
+/// A view made of at most N segments stored inline, for K/V laid out in the caller's own way.
 template <Element T, std::size_t N>
 class SegmentView {
  public:
@@ -141,6 +215,7 @@ class ChunkedView {
   position_t length_ = 0;
 };
 
+static_assert(KVView<LayoutView<float>>);
 static_assert(KVView<SegmentView<float, 1>>);
 static_assert(KVView<ChunkedView<half>>);
 

@@ -108,6 +108,10 @@ class DeviceCache {
         }
         detail_require(c.block_size, "block_size");
         detail_require(c.num_blocks, "num_blocks");
+        if (c.num_blocks > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+          throw shape_error(kvcache::detail::message("DeviceCache: num_blocks ", c.num_blocks,
+                                                     " exceeds 2^31 - 1 (CSR page ids are int32)"));
+        }
         paged_.emplace(BlockManagerConfig{.num_layers = c.num_layers,
                                           .num_blocks = c.num_blocks,
                                           .block_size = c.block_size,
@@ -167,28 +171,19 @@ class DeviceCache {
   /// max_keys).
   [[nodiscard]] DeviceKVView<T> view(std::size_t layer) const {
     check_layer(layer);
-    DeviceKVView<T> v;
-    v.k = storage_.data() + layer_offset(layer);
-    v.v = v.k + v_offset();
-    v.num_seqs = static_cast<int>(config_.max_batch);
-    v.num_kv_heads = static_cast<int>(config_.num_kv_heads);
-    v.head_dim = static_cast<int>(config_.head_dim);
-    v.layout = config_.layout;
-    const std::int64_t d = static_cast<std::int64_t>(config_.head_dim);
-    const std::int64_t h = static_cast<std::int64_t>(config_.num_kv_heads);
-    if (config_.layout == Layout::paged) {
-      const std::int64_t bs = static_cast<std::int64_t>(config_.block_size);
-      v.head_stride = bs * d;
-      v.block_stride = 2 * h * bs * d;
-      v.block_table = paged_->device_table();
-      v.max_blocks = static_cast<int>(paged_->max_blocks());
-      v.block_size = static_cast<int>(bs);
-    } else {
-      v.head_stride = static_cast<std::int64_t>(slots_) * d;
-      v.seq_stride = 2 * h * v.head_stride;
-      v.num_sinks = static_cast<int>(config_.num_sink_tokens);
-      v.ring_len = static_cast<int>(std::max<std::size_t>(ring_len_, 1));
-    }
+    const T* base = storage_.data() + layer_offset(layer);
+    const auto heads = static_cast<int>(config_.num_kv_heads);
+    const auto dim = static_cast<int>(config_.head_dim);
+    DeviceKVView<T> v =
+        config_.layout == Layout::paged
+            ? paged_layout(base, heads, dim, static_cast<int>(config_.block_size),
+                           static_cast<std::int64_t>(2 * v_offset()), paged_->device_table(),
+                           static_cast<int>(config_.max_batch),
+                           static_cast<int>(paged_->max_blocks()))
+            : slab_layout(base, static_cast<int>(config_.max_batch), heads, dim,
+                          static_cast<std::int64_t>(slots_),
+                          static_cast<int>(config_.num_sink_tokens),
+                          config_.layout == Layout::ring ? static_cast<int>(ring_len_) : 0);
     const std::int64_t* m = meta_.data() + layer * 3 * config_.max_batch;
     v.length = m;
     v.sink_end = m + config_.max_batch;

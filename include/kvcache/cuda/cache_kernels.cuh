@@ -43,7 +43,8 @@ struct MetaBatch {
 };
 
 struct BlockEntry {
-  std::int32_t seq, index, block;
+  std::int32_t seq, index;
+  block_id block;
 };
 inline constexpr int kMaxBlocksPerLaunch = 1024;  // also the threads of its one block
 struct BlockBatch {
@@ -96,7 +97,7 @@ __global__ void update_meta_kernel(std::int64_t* meta, int max_batch, MetaBatch 
   m[2 * max_batch + e.seq] = e.recent_begin;
 }
 
-__global__ void update_blocks_kernel(std::int32_t* table, int max_blocks, BlockBatch batch) {
+__global__ void update_blocks_kernel(block_id* table, int max_blocks, BlockBatch batch) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= batch.count) return;
   const BlockEntry e = batch.entry[i];

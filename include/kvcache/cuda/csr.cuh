@@ -42,13 +42,13 @@ struct CsrBatch {
 static_assert(sizeof(CsrBatch) <= kMaxParamBatchBytes);
 
 /// One block per sequence: its page ids from the block table, its indptr end and last length.
-__global__ void export_csr_kernel(const std::int32_t* table, int max_blocks, std::int32_t* indptr,
+__global__ void export_csr_kernel(const block_id* table, int max_blocks, std::int32_t* indptr,
                                   std::int32_t* indices, std::int32_t* last_page_len,
                                   CsrBatch batch) {
   const int i = blockIdx.x;
-  const std::int32_t* row = table + static_cast<std::int64_t>(batch.seq[i]) * max_blocks;
+  const block_id* row = table + static_cast<std::int64_t>(batch.seq[i]) * max_blocks;
   for (int p = threadIdx.x; p < batch.pages[i]; p += blockDim.x) {
-    indices[batch.begin[i] + p] = row[p];
+    indices[batch.begin[i] + p] = static_cast<std::int32_t>(row[p]);  // < 2^31: checked
   }
   if (threadIdx.x == 0) {
     const int at = batch.first + i;

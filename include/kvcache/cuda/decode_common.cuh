@@ -289,7 +289,7 @@ __device__ __forceinline__ DecodeBlockWork decode_block_work(const DeviceKVView<
   w.h0 = w.kv_head * group + chunk * chunk_group;
   w.ng = min(chunk_group, group - chunk * chunk_group);
   w.qpos = view.length[w.seq] - 1;
-  w.keys = visible_keys(key_range(view, w.seq), args.mask, w.qpos);
+  w.keys = visible_keys(view.key_range(w.seq), args.mask, w.qpos);
   const std::int64_t count = w.keys.count();
   w.begin = w.split * keys_per_split;
   // the last split takes whatever is left: a view whose max_keys undercounts runs slower, not wrong

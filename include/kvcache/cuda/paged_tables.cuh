@@ -22,7 +22,7 @@
 
 namespace kvcache::cuda {
 
-/// A BlockManager and the device array [max_batch][max_blocks] of int32 block ids that paged
+/// A BlockManager and the device array [max_batch][max_blocks] of block ids that paged
 /// views read (DeviceKVView::block_table). Every mutation goes through a member that sends the
 /// entries it changed to the device on the caller's stream (kernel parameters, batched), so the
 /// device table equals the manager's wherever a sequence holds positions. Not thread-safe.
@@ -42,7 +42,7 @@ class PagedTables {
 
   [[nodiscard]] BlockManager<>& manager() noexcept { return manager_; }
   [[nodiscard]] const BlockManager<>& manager() const noexcept { return manager_; }
-  [[nodiscard]] const std::int32_t* device_table() const noexcept { return device_.data(); }
+  [[nodiscard]] const block_id* device_table() const noexcept { return device_.data(); }
   [[nodiscard]] std::size_t max_blocks() const noexcept { return max_blocks_; }
   [[nodiscard]] std::size_t device_bytes() const noexcept { return device_.bytes(); }
 
@@ -89,9 +89,9 @@ class PagedTables {
       batch.count = 0;
     };
     const auto table = manager_.block_table(seq);
-    std::int32_t* mirror = mirror_.data() + seq * max_blocks_;
+    block_id* mirror = mirror_.data() + seq * max_blocks_;
     for (std::size_t i = first; i < table.size(); ++i) {
-      const auto b = static_cast<std::int32_t>(table[i]);
+      const block_id b = table[i];
       if (mirror[i] == b) continue;
       if (batch.count == detail::kMaxBlocksPerLaunch) flush();
       batch.entry[batch.count++] = {static_cast<std::int32_t>(seq), static_cast<std::int32_t>(i),
@@ -104,14 +104,14 @@ class PagedTables {
   /// "" or the first entry where the device table (downloaded: synchronises the device)
   /// differs from the manager's. For tests.
   [[nodiscard]] std::string check_device() const {
-    std::vector<std::int32_t> table(mirror_.size());
+    std::vector<block_id> table(mirror_.size());
     check(cudaMemcpy(table.data(), device_.data(), device_.bytes(), cudaMemcpyDeviceToHost),
           "download block table");
     for (std::size_t q = 0; q < manager_.max_batch(); ++q) {
       const auto blocks = manager_.block_table(q);
       for (std::size_t i = 0; i < blocks.size(); ++i) {
-        const std::int32_t on_device = table[q * max_blocks_ + i];
-        if (on_device != static_cast<std::int32_t>(blocks[i])) {
+        const block_id on_device = table[q * max_blocks_ + i];
+        if (on_device != blocks[i]) {
           return kvcache::detail::message("sequence ", q, " entry ", i, " is block ", on_device,
                                           " on the device but ", blocks[i], " in the bookkeeping");
         }
@@ -147,8 +147,8 @@ class PagedTables {
 
   BlockManager<> manager_;
   std::size_t max_blocks_ = 0;
-  DeviceBuffer<std::int32_t> device_;
-  std::vector<std::int32_t> mirror_;  // what device_ holds
+  DeviceBuffer<block_id> device_;
+  std::vector<block_id> mirror_;  // what device_ holds
   // append scratch, max_batch each
   std::vector<AppendRequest> requests_;
   std::vector<BlockManager<>::AppendPlan> plans_;

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
     l_s[r] = 0.0f;
   }
 
-  const KeyRange keys = visible_keys(key_range(view, seq), mask, first_pos);
+  const KeyRange keys = visible_keys(view.key_range(seq), mask, first_pos);
   const std::int64_t count = keys.count();
   // Tiles start at every kPrefillKeys-th key of the list, up to the first that starts past every
   // row (positions grow with the index, so causally none of its keys is visible).

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Cache-relative positions (StreamingLLM) on the device: before an attention kernel runs, one
 // small kernel computes the scores of every query row's attention-sink keys with q turned back
-// by the window's shift (kvcache::detail::Mask::sink_shift), into caller-owned workspace; the
+// by the window's shift (KVMask::sink_shift), into caller-owned workspace; the
 // attention kernels then take those scores instead of their own q.k for the sink keys
 // (DeviceMask::score). Keys stay stored rotated at their absolute positions, as on the CPU.
 #pragma once
@@ -89,8 +89,7 @@ __global__ void sink_score_kernel(DeviceKVView<T> view, const float* __restrict_
   if (row_in_seq >= q_len) return;
   const std::int64_t row = q_offsets != nullptr ? q_offsets[seq] + row_in_seq : seq;
   const std::int64_t qpos = length - q_len + row_in_seq;
-  const std::int64_t low = qpos - mask.window + 1 - mask.sinks;
-  const std::int64_t shift = low > 0 ? low : 0;
+  const std::int64_t shift = mask.sink_shift(qpos, true);
   const float* q_row = q + (row * mask.sink_heads + head) * D;
   for (int d = static_cast<int>(threadIdx.x); d < D; d += static_cast<int>(blockDim.x)) {
     qt[d] = q_row[d];

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -35,7 +36,8 @@ struct BlockManagerConfig {
   std::size_t block_size = 16;
   /// Sequence slots 0 .. max_batch - 1.
   std::size_t max_batch = 1;
-  /// Largest length of one sequence; 0 means num_blocks * block_size.
+  /// Largest length of one sequence (< 2^31, the layout descriptor's limit); 0 means
+  /// min(num_blocks * block_size, 2^31 - 1).
   std::size_t max_seq_len = 0;
   bool enable_prefix_caching = true;
   bool evict_when_full = false;
@@ -175,7 +177,12 @@ class BlockManager {
     detail::require_nonzero(config.block_size, name, "block_size");
     detail::require_nonzero(config.max_batch, name, "max_batch");
     const std::size_t pool_tokens = detail::checked_mul(num_blocks_, block_size_, name);
-    const std::size_t max_seq_len = config.max_seq_len == 0 ? pool_tokens : config.max_seq_len;
+    constexpr auto kMaxLen = static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max());
+    const std::size_t max_seq_len =
+        config.max_seq_len == 0 ? std::min(pool_tokens, kMaxLen) : config.max_seq_len;
+    detail::require_int(max_seq_len, name, "max_seq_len");
+    detail::require_int(config.block_size, name, "block_size");
+    detail::require_int(config.max_batch, name, "max_batch");
     shared_ = std::make_unique<SharedBlocks<Hasher>>(num_blocks_, block_size_,
                                                      config.evict_when_full, std::move(hasher));
     seqs_ = SequenceTable(config.max_batch, config.num_layers,

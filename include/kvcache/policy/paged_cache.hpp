@@ -40,7 +40,8 @@ struct PagedCacheConfig {
   std::size_t block_size = 16;
   /// Sequence slots: sequences are 0 .. max_batch - 1, each empty until used.
   std::size_t max_batch = 1;
-  /// Largest length of one sequence; 0 means num_blocks * block_size. Each slot's block table
+  /// Largest length of one sequence (< 2^31); 0 means min(num_blocks * block_size, 2^31 - 1).
+  /// Each slot's block table
   /// and token-id buffer are allocated for it at construction: about
   /// max_batch * max_seq_len * (4 + 12 / block_size) bytes besides the pool.
   std::size_t max_seq_len = 0;
@@ -51,59 +52,12 @@ struct PagedCacheConfig {
   bool evict_when_full = false;
 };
 
-/// A view over one layer of one paged sequence: one segment per block, read in place from the
-/// pool (no gather). Block i of the table holds positions [i * block_size, (i + 1) * block_size)
-/// clipped to length; its K is [num_kv_heads][block_size][head_dim], V follows.
+/// PagedCache's view: one layer of one sequence in a paged layout (LayoutView), one segment per
+/// block, read in place from the pool (no gather). Block i of the sequence's table
+/// (block_table()) holds positions [i * block_size, (i + 1) * block_size) clipped to length; its
+/// K is [num_kv_heads][block_size][head_dim], V follows.
 template <Element T>
-class PagedView {
- public:
-  using value_type = T;
-
-  PagedView() = default;
-  /// `layer_base`: the layer's first block; blocks are `block_elems` elements apart.
-  PagedView(const T* layer_base, const block_id* table, std::size_t block_size,
-            std::size_t block_elems, std::size_t num_kv_heads, std::size_t head_dim,
-            position_t length) noexcept
-      : layer_base_(layer_base),
-        table_(table),
-        block_size_(block_size),
-        block_elems_(block_elems),
-        num_kv_heads_(num_kv_heads),
-        head_dim_(head_dim),
-        length_(length) {}
-
-  [[nodiscard]] std::size_t num_kv_heads() const noexcept { return num_kv_heads_; }
-  [[nodiscard]] std::size_t head_dim() const noexcept { return head_dim_; }
-  [[nodiscard]] position_t length() const noexcept { return length_; }
-  [[nodiscard]] position_t sink_end() const noexcept { return 0; }
-  [[nodiscard]] position_t recent_begin() const noexcept { return 0; }
-  [[nodiscard]] std::size_t block_size() const noexcept { return block_size_; }
-  [[nodiscard]] std::size_t num_segments() const noexcept {
-    return (static_cast<std::size_t>(length_) + block_size_ - 1) / block_size_;
-  }
-  /// The block ids behind the segments.
-  [[nodiscard]] std::span<const block_id> block_table() const noexcept {
-    return {table_, num_segments()};
-  }
-  [[nodiscard]] KVSegment<T> segment(std::size_t i) const noexcept {
-    const T* k = layer_base_ + std::size_t{table_[i]} * block_elems_;
-    const std::size_t first = i * block_size_;
-    return {k, k + num_kv_heads_ * block_size_ * head_dim_, block_size_ * head_dim_,
-            static_cast<position_t>(first),
-            std::min(block_size_, static_cast<std::size_t>(length_) - first)};
-  }
-
- private:
-  const T* layer_base_ = nullptr;
-  const block_id* table_ = nullptr;
-  std::size_t block_size_ = 1;
-  std::size_t block_elems_ = 0;
-  std::size_t num_kv_heads_ = 0;
-  std::size_t head_dim_ = 0;
-  position_t length_ = 0;
-};
-
-static_assert(KVView<PagedView<float>>);
+using PagedView = LayoutView<T>;
 
 /// Paged KV cache with automatic prefix caching: a BlockManager (the bookkeeping: tables, ids,
 /// reference counts, copy-on-write, fork/reorder, the prefix index, eviction, locking) over
@@ -203,10 +157,15 @@ class PagedCache {
 
   /// View over `layer` of `seq`: one segment per block. O(1). @throws layer_error, batch_error.
   [[nodiscard]] view_type view(std::size_t layer, std::size_t seq) const {
-    const std::size_t len = layer_length(layer, seq);
-    return view_type(blocks_.layer_base(layer), manager_.block_table(seq).data(), block_size(),
-                     blocks_.block_elems(), shape_.num_kv_heads, shape_.head_dim,
-                     static_cast<position_t>(len));
+    const auto len = static_cast<position_t>(layer_length(layer, seq));
+    const auto table = manager_.block_table(seq);
+    // the sequence alone: its table is row 0
+    const KVLayout<T> layout =
+        paged_layout(blocks_.layer_base(layer), static_cast<int>(shape_.num_kv_heads),
+                     static_cast<int>(shape_.head_dim), static_cast<int>(block_size()),
+                     static_cast<std::int64_t>(blocks_.block_elems()), table.data(), 1,
+                     static_cast<int>(table.size()));
+    return view_type(layout, 0, KeyRange{0, 0, len});
   }
 
   [[nodiscard]] std::size_t layer_length(std::size_t layer, std::size_t seq) const {
@@ -395,6 +354,8 @@ class PagedCache {
     detail::require_nonzero(config.num_layers, kName, "num_layers");
     detail::require_nonzero(config.num_kv_heads, kName, "num_kv_heads");
     detail::require_nonzero(config.head_dim, kName, "head_dim");
+    detail::require_int(config.num_kv_heads, kName, "num_kv_heads");
+    detail::require_int(config.head_dim, kName, "head_dim");
     return {.num_layers = config.num_layers,
             .num_blocks = config.num_blocks,
             .block_size = config.block_size,

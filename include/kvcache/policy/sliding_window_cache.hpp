@@ -46,7 +46,7 @@ template <Element T>
 class SlidingWindowCache {
  public:
   using value_type = T;
-  using view_type = SegmentView<T, 3>;
+  using view_type = LayoutView<T>;
 
   /// @throws shape_error for a zero num_layers, num_kv_heads, head_dim, max_batch, window or
   ///         max_append_len; capacity_error if the size overflows; std::bad_alloc.
@@ -62,8 +62,15 @@ class SlidingWindowCache {
     detail::require_nonzero(config.max_batch, kName, "max_batch");
     detail::require_nonzero(config.window, kName, "window");
     detail::require_nonzero(config.max_append_len, kName, "max_append_len");
+    detail::require_int(config.num_kv_heads, kName, "num_kv_heads");
+    detail::require_int(config.head_dim, kName, "head_dim");
+    detail::require_int(config.max_batch, kName, "max_batch");
+    detail::require_int(config.window, kName, "window");
+    detail::require_int(config.max_append_len, kName, "max_append_len");
+    detail::require_int(config.num_sink_tokens, kName, "num_sink_tokens");
     ring_len_ = window_ + max_append_len_ - 1;
     slots_per_seq_ = num_sinks_ + ring_len_;
+    detail::require_int(slots_per_seq_, kName, "num_sink_tokens + window + max_append_len - 1");
     storage_ = AlignedBuffer<T>(kv_cache_bytes(shape_, slots_per_seq_, max_batch_) / sizeof(T));
     state_.assign(shape_.num_layers * max_batch_, State{0, static_cast<position_t>(num_sinks_)});
   }
@@ -108,7 +115,7 @@ class SlidingWindowCache {
     st.ring_begin = std::max(st.ring_begin, st.length - static_cast<position_t>(ring_len_));
   }
 
-  /// View over `layer` of `seq`: the sinks [0, sink_end) and the ring's positions
+  /// View over `layer` of `seq` (a ring layout): the sinks [0, sink_end) and the ring's positions
   /// [recent_begin, length), as at most 3 segments (sinks, then the ring in position order).
   /// @throws layer_error, batch_error.
   [[nodiscard]] view_type view(std::size_t layer, std::size_t seq) const {
@@ -118,24 +125,8 @@ class SlidingWindowCache {
     const position_t sinks = static_cast<position_t>(num_sinks_);
     const position_t sink_end = std::min(st.length, sinks);
     const position_t recent_begin = st.length <= sinks ? st.length : st.ring_begin;
-    view_type view(shape_.num_kv_heads, shape_.head_dim, st.length, sink_end, recent_begin);
-    const T* base = storage_.data() + slab_offset(layer, seq);
-    const std::size_t d = shape_.head_dim;
-    const std::size_t head_elems = slots_per_seq_ * d;
-    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
-    auto push = [&](position_t first, std::size_t len) {
-      const T* k = base + slot_of(static_cast<std::size_t>(first)) * d;
-      view.push({k, k + v_offset, head_elems, first, len});
-    };
-    push(0, static_cast<std::size_t>(sink_end));
-    for (position_t p = recent_begin; p < st.length;) {
-      const std::size_t slot = slot_of(static_cast<std::size_t>(p));
-      const std::size_t run =
-          std::min(static_cast<std::size_t>(st.length - p), slots_per_seq_ - slot);
-      push(p, run);
-      p += static_cast<position_t>(run);
-    }
-    return view;
+    return view_type(layout(layer), static_cast<int>(seq),
+                     KeyRange{sink_end, recent_begin, st.length});
   }
 
   [[nodiscard]] std::size_t layer_length(std::size_t layer, std::size_t seq) const {
@@ -291,6 +282,14 @@ class SlidingWindowCache {
 
   [[nodiscard]] std::size_t slot_of(std::size_t pos) const noexcept {
     return pos < num_sinks_ ? pos : num_sinks_ + (pos - num_sinks_) % ring_len_;
+  }
+
+  // The layer as a ring layout (slab_offset's).
+  [[nodiscard]] KVLayout<T> layout(std::size_t layer) const noexcept {
+    return slab_layout(storage_.data() + slab_offset(layer, 0), static_cast<int>(max_batch_),
+                       static_cast<int>(shape_.num_kv_heads), static_cast<int>(shape_.head_dim),
+                       static_cast<std::int64_t>(slots_per_seq_), static_cast<int>(num_sinks_),
+                       static_cast<int>(ring_len_));
   }
 
   // Layout: [layer][seq][K, V][kv_head][num_sinks + ring_len][head_dim].

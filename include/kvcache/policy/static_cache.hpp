@@ -31,7 +31,7 @@ template <Element T>
 class StaticCache {
  public:
   using value_type = T;
-  using view_type = SegmentView<T, 1>;
+  using view_type = LayoutView<T>;
 
   /// Allocates all storage. @throws shape_error for a zero field, capacity_error if the size
   /// overflows, std::bad_alloc.
@@ -44,6 +44,9 @@ class StaticCache {
     detail::require_nonzero(config.head_dim, kName, "head_dim");
     detail::require_nonzero(config.max_batch, kName, "max_batch");
     detail::require_nonzero(config.max_seq_len, kName, "max_seq_len");
+    detail::require_int(config.num_kv_heads, kName, "num_kv_heads");
+    detail::require_int(config.head_dim, kName, "head_dim");
+    detail::require_int(config.max_batch, kName, "max_batch");
     const std::size_t bytes = kv_cache_bytes(shape_, max_seq_len_, max_batch_);
     storage_ = AlignedBuffer<T>(bytes / sizeof(T));
     lengths_.assign(shape_.num_layers * max_batch_, 0);
@@ -78,17 +81,14 @@ class StaticCache {
     len += n;
   }
 
-  /// View over `layer` of `seq`: one segment, positions [0, layer_length). O(1).
+  /// View over `layer` of `seq` (a contiguous layout): one segment, positions
+  /// [0, layer_length). O(1).
   /// @throws layer_error, batch_error.
   [[nodiscard]] view_type view(std::size_t layer, std::size_t seq) const {
     detail::check_layer(kName, layer, shape_.num_layers);
     detail::check_seq(kName, seq, max_batch_);
-    const std::size_t len = lengths_[layer * max_batch_ + seq];
-    view_type view(shape_.num_kv_heads, shape_.head_dim, static_cast<position_t>(len), 0, 0);
-    const T* base = storage_.data() + slab_offset(layer, seq);
-    const std::size_t head_elems = max_seq_len_ * shape_.head_dim;
-    view.push({base, base + shape_.num_kv_heads * head_elems, head_elems, 0, len});
-    return view;
+    const auto len = static_cast<position_t>(lengths_[layer * max_batch_ + seq]);
+    return view_type(layout(layer), static_cast<int>(seq), KeyRange{0, 0, len});
   }
 
   [[nodiscard]] std::size_t layer_length(std::size_t layer, std::size_t seq) const {
@@ -158,6 +158,13 @@ class StaticCache {
   static constexpr const char* kName = "StaticCache";
 
   // Layout: [layer][seq][K, V][kv_head][max_seq_len][head_dim].
+  // The layer as a contiguous layout (slab_offset's).
+  [[nodiscard]] KVLayout<T> layout(std::size_t layer) const noexcept {
+    return slab_layout(storage_.data() + slab_offset(layer, 0), static_cast<int>(max_batch_),
+                       static_cast<int>(shape_.num_kv_heads), static_cast<int>(shape_.head_dim),
+                       static_cast<std::int64_t>(max_seq_len_));
+  }
+
   [[nodiscard]] std::size_t slab_offset(std::size_t layer, std::size_t seq) const noexcept {
     return (layer * max_batch_ + seq) * 2 * shape_.num_kv_heads * max_seq_len_ * shape_.head_dim;
   }

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The vocabulary of the block pool and the prefix index: block ids, and the error raised when the
-// pool cannot supply the blocks an operation needs.
+// The vocabulary of the block pool and the prefix index: block ids (core/config.hpp), and the error
+// raised when the pool cannot supply the blocks an operation needs.
 #pragma once
 
 #include <cstddef>
@@ -8,15 +8,10 @@
 #include <limits>
 #include <string>
 
+#include "kvcache/core/config.hpp"
 #include "kvcache/core/error.hpp"
 
 namespace kvcache {
-
-/// Index of a block in a paged cache's pool, 0 .. num_blocks - 1.
-using block_id = std::uint32_t;
-
-/// "No block": the parent of a first block, an empty slot, a miss.
-inline constexpr block_id kNoBlock = std::numeric_limits<block_id>::max();
 
 /// The pool has fewer blocks than an operation needs: `needed` blocks were asked for while
 /// `free` were free and `evictable` were cached but unreferenced (usable only when the caller

@@ -1,0 +1,179 @@
+// SPDX-License-Identifier: Apache-2.0
+// The layout descriptor: one plain, trivially copyable struct saying where the K/V row of
+// (sequence, KV head, position) of one layer lives — contiguous, ring (sliding window with sinks)
+// or paged. CUDA kernels take it by value (cuda::DeviceKVView is this type); the host caches build
+// their views from it (LayoutView, core/view.hpp), so the mapping is written once for both.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kvcache/core/config.hpp"
+#include "kvcache/core/dtype.hpp"
+
+namespace kvcache {
+
+/// How a layout maps (sequence, KV head, absolute position) to memory.
+enum class LayoutKind : int {
+  contiguous = 0,  ///< [seq][head][slot][head_dim], slot = position
+  ring = 1,   ///< as contiguous, slot = p < num_sinks ? p : num_sinks + (p - num_sinks) % ring_len
+  paged = 2,  ///< block_table[seq][p / block_size] names a block; slot p % block_size within it
+};
+
+/// The positions a sequence holds, as one logical list: [0, sink_end) then [recent_begin, length),
+/// 0 <= sink_end <= recent_begin <= length (sink_end == recent_begin == 0: nothing dropped).
+/// Logical index i maps to position pos(i).
+struct KeyRange {
+  std::int64_t sink_end = 0;
+  std::int64_t recent_begin = 0;
+  std::int64_t length = 0;
+  [[nodiscard]] KVCACHE_HOST_DEVICE_INLINE std::int64_t count() const {
+    return sink_end + (length - recent_begin);
+  }
+  [[nodiscard]] KVCACHE_HOST_DEVICE_INLINE std::int64_t pos(std::int64_t i) const {
+    return i < sink_end ? i : recent_begin + (i - sink_end);
+  }
+};
+
+/// One layer of a batch of sequences: the K and V bases, the row shape, and the mapping of
+/// positions to rows. Pointers are device pointers for CUDA kernels (DeviceCache::view() builds
+/// it; engines may fill one by hand for K/V in their own buffers) and host pointers for the CPU
+/// caches. Rows are head_dim elements of T; V rows sit at the same offsets from `v` as K rows
+/// from `k`.
+///
+/// `length`, `sink_end` and `recent_begin` are per-sequence arrays (KeyRange of each sequence)
+/// read by kernels; sink_end/recent_begin may be null (= 0). A host LayoutView is given its
+/// sequence's KeyRange directly and reads none of them.
+template <Element T>
+struct KVLayout {
+  const T* k = nullptr;  ///< K base of the layer
+  const T* v = nullptr;  ///< V base of the layer
+  int num_seqs = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  LayoutKind layout = LayoutKind::contiguous;
+  std::int64_t seq_stride = 0;   ///< contiguous/ring: elements from one sequence to the next
+  std::int64_t head_stride = 0;  ///< elements from one KV head to the next (in a sequence/block)
+  int num_sinks = 0;             ///< ring only
+  int ring_len = 1;              ///< ring only
+  const block_id* block_table = nullptr;       ///< paged: [num_seqs][max_blocks] block ids
+  int max_blocks = 0;                          ///< paged: row length of block_table
+  int block_size = 1;                          ///< paged: tokens per block
+  std::int64_t block_stride = 0;               ///< paged: elements from one block to the next
+  const std::int64_t* length = nullptr;        ///< [num_seqs]: positions appended
+  const std::int64_t* sink_end = nullptr;      ///< [num_seqs] or null (= 0)
+  const std::int64_t* recent_begin = nullptr;  ///< [num_seqs] or null (= 0)
+  /// Host-side: the most keys any sequence's view holds, sink_end + length - recent_begin (sizes
+  /// grids, splits and workspace; not read by kernels: an undercount costs speed, not results).
+  std::int64_t max_keys = 0;
+
+  /// Element offset of the head_dim-long row of (seq, head, pos) from k (or v). Paged layouts
+  /// hold positions below 2^31 (the caches check their capacity), so the block index takes a
+  /// 32-bit division; so does the ring slot until 2^32 tokens have passed through the ring.
+  [[nodiscard]] KVCACHE_HOST_DEVICE_INLINE std::int64_t row_offset(int seq, int head,
+                                                                   std::int64_t pos) const {
+    if (layout == LayoutKind::paged) {
+      const auto p = static_cast<std::uint32_t>(pos);
+      const auto bs = static_cast<std::uint32_t>(block_size);
+      const std::uint32_t index = p / bs;
+      const block_id block = block_table[static_cast<std::int64_t>(seq) * max_blocks + index];
+      return static_cast<std::int64_t>(block) * block_stride + head * head_stride +
+             static_cast<std::int64_t>(p - index * bs) * head_dim;
+    }
+    std::int64_t slot = pos;
+    if (layout == LayoutKind::ring && pos >= num_sinks) {
+      const std::int64_t r = pos - num_sinks;
+      slot = num_sinks + (r <= 0xffffffffLL
+                              ? static_cast<std::int64_t>(static_cast<std::uint32_t>(r) %
+                                                          static_cast<std::uint32_t>(ring_len))
+                              : r % ring_len);
+    }
+    return seq * seq_stride + head * head_stride + slot * head_dim;
+  }
+
+  /// Index of the run of consecutive positions whose rows are consecutive in memory that holds
+  /// `pos`: contiguous layouts are one run, a ring is its sinks (run 0) then one run per lap, a
+  /// paged layout one run per block.
+  [[nodiscard]] KVCACHE_HOST_DEVICE_INLINE std::int64_t run_of(std::int64_t pos) const {
+    switch (layout) {
+      case LayoutKind::paged:
+        return pos / block_size;
+      case LayoutKind::ring:
+        return pos < num_sinks ? 0 : 1 + (pos - num_sinks) / ring_len;
+      default:
+        return 0;
+    }
+  }
+  /// First position of run `run` (see run_of); run_begin(run + 1) is one past its last.
+  [[nodiscard]] KVCACHE_HOST_DEVICE_INLINE std::int64_t run_begin(std::int64_t run) const {
+    switch (layout) {
+      case LayoutKind::paged:
+        return run * block_size;
+      case LayoutKind::ring:
+        return run == 0 ? 0 : num_sinks + (run - 1) * ring_len;
+      default:
+        return run == 0 ? 0 : INT64_MAX;
+    }
+  }
+
+  /// The KeyRange of sequence `seq` from the per-sequence arrays (device memory in kernels).
+  [[nodiscard]] KVCACHE_HOST_DEVICE_INLINE KeyRange key_range(int seq) const {
+    KeyRange r;
+    r.length = length[seq];
+    r.sink_end = sink_end != nullptr ? sink_end[seq] : 0;
+    r.recent_begin = recent_begin != nullptr ? recent_begin[seq] : 0;
+    return r;
+  }
+};
+
+/// The layout of K/V kept as one slab per sequence, [seq][K, V][kv_head][slots][head_dim]
+/// (StaticCache, SlidingWindowCache, DeviceCache's contiguous and ring layouts): contiguous when
+/// ring_len == 0, else num_sinks sink slots then a ring of ring_len (slots = their sum). The
+/// per-sequence arrays are left null.
+template <Element T>
+[[nodiscard]] constexpr KVLayout<T> slab_layout(const T* base, int num_seqs, int num_kv_heads,
+                                                int head_dim, std::int64_t slots, int num_sinks = 0,
+                                                int ring_len = 0) noexcept {
+  KVLayout<T> out;
+  out.k = base;
+  out.num_seqs = num_seqs;
+  out.num_kv_heads = num_kv_heads;
+  out.head_dim = head_dim;
+  out.head_stride = slots * head_dim;
+  out.v = base + num_kv_heads * out.head_stride;
+  out.seq_stride = 2 * num_kv_heads * out.head_stride;
+  if (ring_len > 0) {
+    out.layout = LayoutKind::ring;
+    out.num_sinks = num_sinks;
+    out.ring_len = ring_len;
+  }
+  return out;
+}
+
+/// The layout of a block pool, one allocation per layer of blocks [K, V][kv_head][block_size]
+/// [head_dim], `block_stride` elements apart (PagedCache, DeviceCache's paged layout), read
+/// through `table`, [num_seqs][max_blocks] block ids. The per-sequence arrays are left null.
+template <Element T>
+[[nodiscard]] constexpr KVLayout<T> paged_layout(const T* base, int num_kv_heads, int head_dim,
+                                                 int block_size, std::int64_t block_stride,
+                                                 const block_id* table, int num_seqs,
+                                                 int max_blocks) noexcept {
+  KVLayout<T> out;
+  out.k = base;
+  out.num_seqs = num_seqs;
+  out.num_kv_heads = num_kv_heads;
+  out.head_dim = head_dim;
+  out.layout = LayoutKind::paged;
+  out.block_size = block_size;
+  out.head_stride = static_cast<std::int64_t>(block_size) * head_dim;
+  out.v = base + num_kv_heads * out.head_stride;
+  out.block_stride = block_stride;
+  out.block_table = table;
+  out.max_blocks = max_blocks;
+  return out;
+}
+
+static_assert(std::is_trivially_copyable_v<KVLayout<float>>);
+static_assert(std::is_trivially_copyable_v<KeyRange>);
+
+}  // namespace kvcache
