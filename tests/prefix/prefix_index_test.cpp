@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // PrefixIndex: a block is found only under its own parent and its own ids; a hasher that collides
-// everything changes the cost, never the answers (checked against a map keyed by whole prefixes).
+// everything changes the cost, never the answers; a node moved to another block keeps its
+// children (checked against a map keyed by whole prefixes).
 #include "kvcache/prefix/prefix_index.hpp"
 
+#include <iterator>
 #include <map>
 #include <vector>
 
@@ -46,6 +48,27 @@ void exact_answers() {
   REQUIRE(index.matched_blocks(diverges) == 1);
   const std::vector<token_id> short_prompt{1};
   REQUIRE(index.matched_blocks(short_prompt) == 0);  // no full block
+
+  // a node is named by its content, the block is only where it lives: moving the inner node
+  // [1 2][3 4] from block 6 to block 7 keeps its child, and block 6 is free for other content
+  const std::uint64_t key = index.key(6);
+  index.relocate(6, 7);
+  REQUIRE_FALSE(index.contains(6));
+  REQUIRE(index.key(7) == key);
+  REQUIRE(index.find(5, b) == 7);
+  REQUIRE(index.parent(2) == 7);
+  REQUIRE(index.num_children(7) == 1);
+  REQUIRE(index.num_children(6) == 0);
+  REQUIRE(index.match(prompt, out) == 3);
+  REQUIRE(out[1] == 7);
+  index.insert(6, kNoBlock, b);  // [3 4] at the start: other content in the old block
+  REQUIRE(index.find(7, c) == 2);
+  REQUIRE(index.find(6, c) == kNoBlock);
+  REQUIRE(index.matched_blocks(prompt) == 3);
+  index.erase(6);
+  index.relocate(7, 6);  // and back
+  REQUIRE(index.find(5, b) == 6);
+  REQUIRE(index.parent(2) == 6);
 
   index.erase(2);
   REQUIRE_FALSE(index.contains(2));
@@ -107,7 +130,26 @@ TEMPLATE_TEST_CASE("PrefixIndex agrees with a map of whole prefixes over random 
               std::vector<token_id>(ids.begin(),
                                     ids.begin() + static_cast<std::ptrdiff_t>((i + 1) * kBs)));
     }
-    if (kvcache::test::uniform(rng, 0, 2) != 0 && !free.empty() && got * kBs < ids.size()) {
+    const std::size_t op = kvcache::test::uniform(rng, 0, 5);
+    if (op == 0 && !free.empty() && !prefix_of.empty()) {
+      // move a random node to a free block: same content, children kept
+      auto it = prefix_of.begin();
+      std::advance(
+          it, static_cast<std::ptrdiff_t>(kvcache::test::uniform(rng, 0, prefix_of.size() - 1)));
+      const block_id from = it->first;
+      const std::size_t pick = kvcache::test::uniform(rng, 0, free.size() - 1);
+      const block_id to = free[pick];
+      const std::size_t children = index.num_children(from);
+      const std::uint64_t key = index.key(from);
+      index.relocate(from, to);
+      REQUIRE(index.num_children(to) == children);
+      REQUIRE(index.key(to) == key);
+      free[pick] = from;
+      std::vector<token_id> prefix = std::move(it->second);
+      prefix_of.erase(it);
+      model[prefix] = to;
+      prefix_of[to] = std::move(prefix);
+    } else if (op >= 2 && !free.empty() && got * kBs < ids.size()) {
       // index the next block after the matched part
       const block_id b = free.back();
       free.pop_back();

@@ -108,11 +108,13 @@ class RestorePlan;
 /// to an indexed block of the same ids. crop() to at most exact_prefix() makes the sequence
 /// exact again; release() forgets it; fork() and reorder() pass it on; snapshots keep it.
 ///
-/// Prefix index (see PrefixIndex): a trie of committed blocks keyed by (parent block, ids,
-/// extra key), through a chained hash, every hit confirmed by comparing ids and key. admit() walks
-/// it and shares the longest match. When the last holder of an indexed block lets go it stays
-/// indexed as *cached* (evictable); eviction takes the least recently released cached block, a
-/// block's cached children before it (SharedBlocks); check_consistency() verifies the order.
+/// Prefix index (see PrefixIndex): a trie of committed blocks' content keyed by (parent node, ids,
+/// extra key), through a chained hash, every hit confirmed by comparing ids and key; a node's
+/// physical block is only where it lives (PrefixIndex::relocate moves it, children kept).
+/// admit() walks it and shares the longest match. When the last holder of an indexed block lets go
+/// it stays indexed as *cached* (evictable); eviction takes the least recently released cached
+/// block, a block's cached children before it (SharedBlocks); check_consistency() verifies the
+/// order.
 ///
 /// Cache salt. admit() takes an *extra key* (0 by default) that the sequence's blocks are
 /// matched and indexed under: a sequence shares blocks only with prompts admitted under the same

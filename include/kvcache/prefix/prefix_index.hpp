@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// PrefixIndex: finds the cached blocks that hold a prompt's prefix. A trie over full blocks whose
-// child links are a hash table keyed by (parent block, the block's token ids); every hit is
-// confirmed by comparing the parent and the ids, so a hash collision can never share K/V.
+// PrefixIndex: finds the cached blocks that hold a prompt's prefix. A trie over full blocks of
+// content whose child links are a hash table keyed by (parent node, the block's token ids, extra
+// key); a node's block is only where it lives. Every hit is confirmed by comparing the parent, key
+// and ids, so a hash collision can never share K/V.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <utility>
 #include <vector>
@@ -66,18 +68,24 @@ static_assert(BlockHasher<DefaultBlockHasher>);
 
 /// The prefix index of a pool of num_blocks blocks of block_size tokens.
 ///
-/// Structure: a trie whose nodes are full blocks. A node is keyed by its parent node (the block
-/// holding the previous block_size tokens; kNoBlock for the first block), its own block_size
-/// token ids and an *extra key* (a caller's cache salt or adapter id, 0 for none, the same along
-/// a chain), so a node stands for its whole prefix under that key, exactly: the chains of two
-/// extra keys never share a node. Child links are found through a chained hash table: hash =
-/// Hasher(parent's hash, ids), a chained hash over the prefix as in vLLM, seeded by
-/// root_block_hash(extra key). A lookup accepts an entry only when the hash, the parent id, the
-/// extra key and every token id match, so collisions cost time, never correctness (a hasher that
-/// maps everything to one value still gives exact answers, in O(entries) per lookup).
+/// Structure: a trie whose nodes are full blocks *of content*. A node is keyed by its parent node
+/// (the node of the previous block_size tokens; none for a first block), its own block_size token
+/// ids and an *extra key* (a caller's cache salt or adapter id, 0 for none, the same along a
+/// chain), so a node stands for its whole prefix under that key, exactly: the chains of two extra
+/// keys never share a node. Its content key (key()) is the chained hash Hasher(parent's key, ids)
+/// seeded by root_block_hash(extra key), as vLLM's block hash. A lookup accepts an entry only when
+/// the hash, the parent node, the extra key and every token id match, so collisions cost time,
+/// never correctness (a hasher that maps everything to one value still gives exact answers, in
+/// O(entries) per lookup).
 ///
-/// The table is intrusive (bucket heads plus one next link per block, all allocated by the
-/// constructor): insert and erase never allocate. Not thread-safe (the owning cache locks).
+/// Names and locations: a node is not its physical block. The block is the node's current
+/// location (the block_id every member takes and returns), and children hold their parent's
+/// node, not its block, so relocate() moves a node to another block in O(1) without touching its
+/// children, and a block id freed by erase() or relocate() can hold other content at once.
+///
+/// The table is intrusive (bucket heads plus one next link per node, all allocated by the
+/// constructor, at most num_blocks nodes): insert, erase and relocate never allocate. Not
+/// thread-safe (the owning cache locks).
 template <BlockHasher Hasher = DefaultBlockHasher>
 class PrefixIndex {
  public:
@@ -87,13 +95,18 @@ class PrefixIndex {
     detail::require_nonzero(num_blocks, "PrefixIndex", "num_blocks");
     detail::require_nonzero(block_size, "PrefixIndex", "block_size");
     hash_.assign(num_blocks, 0);
-    parent_.assign(num_blocks, kNoBlock);
-    bucket_next_.assign(num_blocks, kNoBlock);
+    parent_.assign(num_blocks, kNoNode);
+    bucket_next_.assign(num_blocks, kNoNode);
     children_.assign(num_blocks, 0);
-    member_.assign(num_blocks, 0);
     extra_.assign(num_blocks, 0);
+    location_.assign(num_blocks, kNoBlock);
+    node_of_.assign(num_blocks, kNoNode);
     tokens_.assign(detail::checked_mul(num_blocks, block_size, "PrefixIndex"), 0);
-    buckets_.assign(std::bit_ceil(num_blocks), kNoBlock);
+    buckets_.assign(std::bit_ceil(num_blocks), kNoNode);
+    free_nodes_.resize(num_blocks);
+    for (std::size_t i = 0; i < num_blocks; ++i) {
+      free_nodes_[i] = static_cast<node_id>(num_blocks - 1 - i);  // node 0 is taken first
+    }
   }
 
   [[nodiscard]] std::size_t block_size() const noexcept { return block_size_; }
@@ -101,112 +114,155 @@ class PrefixIndex {
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   /// The hasher the index keys its blocks with.
   [[nodiscard]] const Hasher& hasher() const noexcept { return hasher_; }
-  [[nodiscard]] bool contains(block_id b) const noexcept { return member_[b] != 0; }
-  /// @pre contains(b).
-  [[nodiscard]] block_id parent(block_id b) const noexcept { return parent_[b]; }
-  /// Indexed blocks whose parent is b.
-  [[nodiscard]] std::size_t num_children(block_id b) const noexcept { return children_[b]; }
-  /// The extra key block b was indexed under. @pre contains(b).
-  [[nodiscard]] std::uint64_t extra_key(block_id b) const noexcept { return extra_[b]; }
-  /// The ids block b was indexed with. @pre contains(b).
+  [[nodiscard]] bool contains(block_id b) const noexcept { return node_of_[b] != kNoNode; }
+  /// Where the parent node of the node at b lives (kNoBlock for a first block). @pre contains(b).
+  [[nodiscard]] block_id parent(block_id b) const noexcept {
+    const node_id p = parent_[node_of_[b]];
+    return p == kNoNode ? kNoBlock : location_[p];
+  }
+  /// Indexed nodes whose parent is the node at b (0 if b holds none).
+  [[nodiscard]] std::size_t num_children(block_id b) const noexcept {
+    return contains(b) ? children_[node_of_[b]] : 0;
+  }
+  /// The extra key the node at b was indexed under. @pre contains(b).
+  [[nodiscard]] std::uint64_t extra_key(block_id b) const noexcept { return extra_[node_of_[b]]; }
+  /// The content key of the node at b: the chained hash of its whole prefix's ids under its extra
+  /// key (what names it wherever it lives). @pre contains(b).
+  [[nodiscard]] std::uint64_t key(block_id b) const noexcept { return hash_[node_of_[b]]; }
+  /// The ids the node at b was indexed with. @pre contains(b).
   [[nodiscard]] std::span<const token_id> tokens(block_id b) const noexcept {
-    return {tokens_.data() + std::size_t{b} * block_size_, block_size_};
+    return node_tokens(node_of_[b]);
   }
 
-  /// The indexed block holding `ids` right after `parent` (kNoBlock: at the start) under
-  /// `extra_key`, or kNoBlock.
+  /// The block holding the indexed node of `ids` right after the node at `parent` (kNoBlock: at
+  /// the start) under `extra_key`, or kNoBlock.
   /// @pre ids.size() == block_size(); parent == kNoBlock or contains(parent).
   /// O(block_size) plus O(block_size) per colliding entry.
   [[nodiscard]] block_id find(block_id parent, std::span<const token_id> ids,
                               std::uint64_t extra_key = 0) const noexcept {
-    const std::uint64_t h = hash_of(parent, ids, extra_key);
-    for (block_id b = buckets_[h & (buckets_.size() - 1)]; b != kNoBlock; b = bucket_next_[b]) {
-      if (hash_[b] == h && parent_[b] == parent && extra_[b] == extra_key &&
-          std::ranges::equal(tokens(b), ids)) {
-        return b;
-      }
-    }
-    return kNoBlock;
+    const node_id n = find_node(parent == kNoBlock ? kNoNode : node_of_[parent], ids, extra_key);
+    return n == kNoNode ? kNoBlock : location_[n];
   }
 
-  /// Walks `ids` block by block from the start, under `extra_key`, and writes the matching
-  /// blocks to out[0..m). Stops at the first miss, at the last full block of ids, or when out is
-  /// full. @return m, the number of leading full blocks of ids that are indexed.
+  /// Walks `ids` block by block from the start, under `extra_key`, and writes the blocks of the
+  /// matching nodes to out[0..m). Stops at the first miss, at the last full block of ids, or when
+  /// out is full. @return m, the number of leading full blocks of ids that are indexed.
   /// O(m * block_size).
   [[nodiscard]] std::size_t match(std::span<const token_id> ids, std::span<block_id> out,
                                   std::uint64_t extra_key = 0) const noexcept {
-    return walk(ids, out.size(), extra_key, [&](std::size_t i, block_id b) { out[i] = b; });
+    return walk(ids, out.size(), extra_key,
+                [&](std::size_t i, node_id n) { out[i] = location_[n]; });
   }
 
   /// match() without the block ids: how many leading full blocks of ids are indexed.
   [[nodiscard]] std::size_t matched_blocks(std::span<const token_id> ids,
                                            std::uint64_t extra_key = 0) const noexcept {
-    return walk(ids, ids.size(), extra_key, [](std::size_t, block_id) {});
+    return walk(ids, ids.size(), extra_key, [](std::size_t, node_id) {});
   }
 
-  /// Indexes block b as holding `ids` after `parent` under `extra_key`.
+  /// Indexes a new node holding `ids` after the node at `parent` under `extra_key`, located at
+  /// block b.
   /// @pre !contains(b); find(parent, ids, extra_key) == kNoBlock; parent == kNoBlock or
   ///      (contains(parent) and extra_key(parent) == extra_key).
   void insert(block_id b, block_id parent, std::span<const token_id> ids,
               std::uint64_t extra_key = 0) noexcept {
-    const std::uint64_t h = hash_of(parent, ids, extra_key);
-    hash_[b] = h;
-    parent_[b] = parent;
-    extra_[b] = extra_key;
-    std::ranges::copy(ids, tokens_.begin() + static_cast<std::ptrdiff_t>(b * block_size_));
-    block_id& head = buckets_[h & (buckets_.size() - 1)];
-    bucket_next_[b] = head;
-    head = b;
-    if (parent != kNoBlock) ++children_[parent];
-    member_[b] = 1;
+    const node_id p = parent == kNoBlock ? kNoNode : node_of_[parent];
+    const node_id n = free_nodes_.back();
+    free_nodes_.pop_back();
+    const std::uint64_t h = hash_of(p, ids, extra_key);
+    hash_[n] = h;
+    parent_[n] = p;
+    extra_[n] = extra_key;
+    std::ranges::copy(ids, tokens_.begin() + static_cast<std::ptrdiff_t>(n * block_size_));
+    node_id& head = buckets_[h & (buckets_.size() - 1)];
+    bucket_next_[n] = head;
+    head = n;
+    if (p != kNoNode) ++children_[p];
+    location_[n] = b;
+    node_of_[b] = n;
     ++size_;
   }
 
-  /// Removes block b. @pre contains(b) and num_children(b) == 0 (a leaf: erasing an inner node
-  /// would leave children keyed by a block id that may be reused for other content).
-  /// O(entries in b's bucket).
+  /// Removes the node at block b. @pre contains(b) and num_children(b) == 0 (a leaf: a child
+  /// would be left under a parent no lookup can reach). O(entries in its bucket).
   void erase(block_id b) noexcept {
-    block_id* link = &buckets_[hash_[b] & (buckets_.size() - 1)];
-    while (*link != b) link = &bucket_next_[*link];
-    *link = bucket_next_[b];
-    bucket_next_[b] = kNoBlock;
-    if (parent_[b] != kNoBlock) --children_[parent_[b]];
-    parent_[b] = kNoBlock;
-    extra_[b] = 0;
-    member_[b] = 0;
+    const node_id n = node_of_[b];
+    node_id* link = &buckets_[hash_[n] & (buckets_.size() - 1)];
+    while (*link != n) link = &bucket_next_[*link];
+    *link = bucket_next_[n];
+    bucket_next_[n] = kNoNode;
+    if (parent_[n] != kNoNode) --children_[parent_[n]];
+    parent_[n] = kNoNode;
+    extra_[n] = 0;
+    location_[n] = kNoBlock;
+    node_of_[b] = kNoNode;
+    free_nodes_.push_back(n);  // within the capacity reserved at construction
     --size_;
   }
 
+  /// Moves the node at block `from` to block `to` (its K/V moved there): lookups that found it at
+  /// `from` find it at `to`, its children stay its children, and `from` holds nothing.
+  /// @pre contains(from), !contains(to). O(1).
+  void relocate(block_id from, block_id to) noexcept {
+    const node_id n = node_of_[from];
+    node_of_[from] = kNoNode;
+    node_of_[to] = n;
+    location_[n] = to;
+  }
+
  private:
-  [[nodiscard]] std::uint64_t hash_of(block_id parent, std::span<const token_id> ids,
+  using node_id = std::uint32_t;
+  static constexpr node_id kNoNode = std::numeric_limits<node_id>::max();
+
+  [[nodiscard]] std::span<const token_id> node_tokens(node_id n) const noexcept {
+    return {tokens_.data() + std::size_t{n} * block_size_, block_size_};
+  }
+
+  [[nodiscard]] std::uint64_t hash_of(node_id parent, std::span<const token_id> ids,
                                       std::uint64_t extra_key) const noexcept {
-    return hasher_(parent == kNoBlock ? root_block_hash(extra_key) : hash_[parent], ids);
+    return hasher_(parent == kNoNode ? root_block_hash(extra_key) : hash_[parent], ids);
+  }
+
+  [[nodiscard]] node_id find_node(node_id parent, std::span<const token_id> ids,
+                                  std::uint64_t extra_key) const noexcept {
+    const std::uint64_t h = hash_of(parent, ids, extra_key);
+    for (node_id n = buckets_[h & (buckets_.size() - 1)]; n != kNoNode; n = bucket_next_[n]) {
+      if (hash_[n] == h && parent_[n] == parent && extra_[n] == extra_key &&
+          std::ranges::equal(node_tokens(n), ids)) {
+        return n;
+      }
+    }
+    return kNoNode;
   }
 
   template <class F>
   std::size_t walk(std::span<const token_id> ids, std::size_t max_blocks, std::uint64_t extra_key,
                    F&& visit) const noexcept {
-    block_id parent = kNoBlock;
+    node_id parent = kNoNode;
     std::size_t m = 0;
     for (; m < max_blocks && (m + 1) * block_size_ <= ids.size(); ++m) {
-      const block_id b = find(parent, ids.subspan(m * block_size_, block_size_), extra_key);
-      if (b == kNoBlock) break;
-      visit(m, b);
-      parent = b;
+      const node_id n = find_node(parent, ids.subspan(m * block_size_, block_size_), extra_key);
+      if (n == kNoNode) break;
+      visit(m, n);
+      parent = n;
     }
     return m;
   }
 
   std::size_t block_size_;
   Hasher hasher_;
-  std::vector<std::uint64_t> hash_;
-  std::vector<block_id> parent_;
-  std::vector<block_id> bucket_next_;
+  // per node
+  std::vector<std::uint64_t> hash_;  // content key
+  std::vector<node_id> parent_;
+  std::vector<node_id> bucket_next_;
   std::vector<std::uint32_t> children_;
-  std::vector<std::uint8_t> member_;
   std::vector<std::uint64_t> extra_;
-  std::vector<token_id> tokens_;   // [block][block_size]
-  std::vector<block_id> buckets_;  // bit_ceil(num_blocks) chain heads
+  std::vector<block_id> location_;  // kNoBlock when free
+  std::vector<token_id> tokens_;    // [node][block_size]
+  // per block
+  std::vector<node_id> node_of_;     // kNoNode when the block holds no node
+  std::vector<node_id> buckets_;     // bit_ceil(num_blocks) chain heads
+  std::vector<node_id> free_nodes_;  // a stack; capacity num_blocks
   std::size_t size_ = 0;
 };
 
