@@ -5,7 +5,8 @@
 // statistics and errors, the device's block table and lengths must mirror its bookkeeping, and
 // the device pool must hold every sequence's rows bit for bit (copy-on-write copies included).
 // Batched appends (several sequences in one call, which a host PagedCache does not take) are
-// checked the same way without the host. Also export_csr() and snapshots of device caches.
+// checked the same way without the host. Also export_csr(), snapshots and context_shift() of
+// device caches.
 // Skips with a message when no CUDA device is present.
 #include <cstdlib>
 #include <map>
@@ -15,6 +16,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include "kvcache/cuda/context_shift.cuh"
 #include "kvcache/cuda/cuda.cuh"
 #include "kvcache/cuda/snapshot.cuh"
 #include "kvcache/kvcache.hpp"
@@ -485,4 +487,114 @@ TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host cache
   kcuda::DeviceCache<float> flat(
       {.num_layers = kLayers, .num_kv_heads = kHeads, .head_dim = kDim, .max_seq_len = 8});
   REQUIRE_THROWS_AS(kcuda::save_snapshot(file, flat, model), kvcache::shape_error);
+}
+
+TEST_CASE("context_shift of a paged DeviceCache does what it does to a PagedCache, bit for bit",
+          "[cuda]") {
+  if (!have_device()) return;
+  Pair p(24, false);
+  const kvcache::Rope rope({.base = 10000.0f}, kDim);
+  // sequences 0 and 1 share a prompt's first blocks; 0 generates further; 2 has no ids
+  const auto prompt = kvcache::test::iota_ids(13, 50);
+  auto longer = prompt;
+  for (token_id t = 90; t < 96; ++t) longer.push_back(t);
+  for (std::size_t q : {0u, 1u}) {
+    REQUIRE(p.dev.admit(q, prompt, 0, nullptr) == p.host.admit(q, prompt));
+  }
+  p.dev.add_tokens(0, std::span<const token_id>(longer).subspan(prompt.size()), nullptr);
+  p.host.add_tokens(0, std::span<const token_id>(longer).subspan(prompt.size()));
+  for (std::size_t l = 0; l < kLayers; ++l) {
+    for (std::size_t q : {0u, 1u}) {
+      const auto& ids = q == 0 ? longer : prompt;
+      const std::size_t len = p.host.layer_length(l, q);
+      const auto kv = kSynth.kv(l, ids, len, ids.size() - len);
+      device_append(p.dev, l, q, ids, len, ids.size() - len);
+      p.host.append(l, q, std::span<const token_id>(ids).subspan(len),
+                    kv.k_block(0, ids.size() - len), kv.v_block(0, ids.size() - len));
+    }
+    const auto kv = kSynth.kv(l, longer, 0, 11);
+    kcuda::DeviceBuffer<float> dk(kv.k.size()), dv(kv.v.size());
+    kcuda::check(cudaMemcpy(dk.data(), kv.k.data(), kv.k.size() * 4, cudaMemcpyHostToDevice), "k");
+    kcuda::check(cudaMemcpy(dv.data(), kv.v.data(), kv.v.size() * 4, cudaMemcpyHostToDevice), "v");
+    const std::vector<std::size_t> seqs{2}, counts{11};
+    p.dev.append(l, seqs, counts, dk.data(), dv.data(), nullptr);
+    p.host.append(l, 2, kv.k_block(0, 11), kv.v_block(0, 11));
+  }
+  p.check_state();
+
+  // The rows of every (layer, seq) equal on the device and on the host.
+  const auto same_rows = [&] {
+    for (std::size_t q = 0; q < kBatch; ++q) {
+      for (std::size_t l = 0; l < kLayers; ++l) {
+        INFO("sequence " << q << " layer " << l);
+        const std::size_t len = p.dev.layer_length(l, q), n = len * kHeads * kDim;
+        std::vector<float> k(n), v(n), hk(n), hv(n);
+        p.dev.read_rows(l, q, k, v, nullptr);
+        const auto view = p.host.view(l, q);
+        for (std::size_t i = 0; i < view.num_segments(); ++i) {
+          const auto seg = view.segment(i);
+          for (std::size_t h = 0; h < kHeads; ++h) {
+            const auto at = (h * len + static_cast<std::size_t>(seg.first_pos)) * kDim;
+            std::copy_n(seg.k + h * seg.head_stride, seg.len * kDim, hk.begin() + at);
+            std::copy_n(seg.v + h * seg.head_stride, seg.len * kDim, hv.begin() + at);
+          }
+        }
+        REQUIRE(k == hk);
+        REQUIRE(v == hv);
+      }
+    }
+  };
+  // refused alike, nothing changed: past the length; a RoPE of another head_dim
+  p.both([&] { kvcache::context_shift(p.host, 1, 10, 4, rope); },
+         [&] { kcuda::context_shift(p.dev, 1, 10, 4, rope, nullptr); });
+  const kvcache::Rope wide({}, 2 * kDim);
+  p.both([&] { kvcache::context_shift(p.host, 0, 2, 3, wide); },
+         [&] { kcuda::context_shift(p.dev, 0, 2, 3, wide, nullptr); });
+  p.check_state();
+  same_rows();
+
+  // sequence 0 keeps 5 and drops 6 (across block boundaries), 2 (no ids) keeps 1 and drops 7
+  kvcache::context_shift(p.host, 0, 5, 6, rope);
+  kcuda::context_shift(p.dev, 0, 5, 6, rope, nullptr);
+  kvcache::context_shift(p.host, 2, 1, 7, rope);
+  kcuda::context_shift(p.dev, 2, 1, 7, rope, nullptr);
+  REQUIRE(p.dev.seq_length(0) == longer.size() - 6);
+  REQUIRE(p.dev.paged().exact_prefix(0) <= 5);
+  p.check_state();
+  same_rows();
+  // moved keys are turned: not the rows the shifted ids would have at their new positions
+  std::vector<float> k(p.dev.seq_length(0) * kHeads * kDim), v(k.size());
+  p.dev.read_rows(1, 0, k, v, nullptr);
+  const auto fresh = kSynth.kv(1, p.dev.paged().tokens(0), 0, p.dev.seq_length(0));
+  REQUIRE(k != fresh.k);
+
+  // both go on alike: one more token, then a prompt with the old ids shares only what the
+  // shift left shareable
+  const std::vector<token_id> next{7};
+  p.dev.add_tokens(0, next, nullptr);
+  p.host.add_tokens(0, next);
+  for (std::size_t l = 0; l < kLayers; ++l) {
+    const auto ids =
+        std::vector<token_id>(p.dev.paged().tokens(0).begin(), p.dev.paged().tokens(0).end());
+    const std::size_t len = p.host.layer_length(l, 0);
+    const auto kv = kSynth.kv(l, ids, len, 1);
+    device_append(p.dev, l, 0, ids, len, 1);
+    p.host.append(l, 0, std::span<const token_id>(ids).subspan(len, 1), kv.k_block(0, 1),
+                  kv.v_block(0, 1));
+  }
+  std::size_t a = 0, b = 0;
+  p.both([&] { a = p.host.admit(3, longer); }, [&] { b = p.dev.admit(3, longer, 0, nullptr); });
+  REQUIRE(a == b);
+  p.check_state();
+  same_rows();
+
+  // not paged: refused
+  kcuda::DeviceCache<float> ring({.layout = kcuda::Layout::ring,
+                                  .num_layers = 1,
+                                  .num_kv_heads = kHeads,
+                                  .head_dim = kDim,
+                                  .max_batch = 1,
+                                  .window = 8,
+                                  .max_append_len = 4});
+  REQUIRE_THROWS_AS(kcuda::context_shift(ring, 0, 0, 0, rope, nullptr), kvcache::shape_error);
 }

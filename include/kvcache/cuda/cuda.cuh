@@ -8,6 +8,7 @@
 
 #include "kvcache/cuda/attend.cuh"
 #include "kvcache/cuda/cache.cuh"
+#include "kvcache/cuda/context_shift.cuh"
 #include "kvcache/cuda/csr.cuh"
 #include "kvcache/cuda/decode.cuh"
 #include "kvcache/cuda/prefill.cuh"

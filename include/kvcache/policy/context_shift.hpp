@@ -124,6 +124,93 @@ void pack_shifted(const V& view, const Rope& rope, position_t keep, position_t e
   }
 }
 
+/// The checks of a context shift of `seq` (see context_shift()), on a cache of `shape` and
+/// `max_batch` slots whose layer_length(l, seq) is `layer_length(l)`. `who` names the caller.
+template <class LayerLength>
+void check_context_shift(const char* who, const CacheShape& shape, std::size_t max_batch,
+                         std::size_t seq, std::size_t n_keep, std::size_t n_discard,
+                         const Rope& rope, LayerLength&& layer_length) {
+  detail::check_seq(who, seq, max_batch);
+  if (rope.head_dim() != shape.head_dim) {
+    throw shape_error(detail::message(who, ": the RoPE is for head_dim ", rope.head_dim(),
+                                      " but the cache has head_dim ", shape.head_dim));
+  }
+  const std::size_t length = layer_length(std::size_t{0});
+  for (std::size_t l = 1; l < shape.num_layers; ++l) {
+    if (layer_length(l) != length) {
+      throw position_error(detail::message(who, ": layer ", l, " of sequence ", seq, " holds ",
+                                           layer_length(l), " positions but layer 0 holds ", length,
+                                           "; shift between forward passes"));
+    }
+  }
+  if (n_keep > length || n_discard > length - n_keep) {
+    throw position_error(detail::message(who, ": discarding ", n_discard,
+                                         " positions after n_keep ", n_keep, " of sequence ", seq,
+                                         ", which holds only ", length));
+  }
+}
+
+/// A shifted sequence, ready for a restore() hook: the packed rows of every layer and the
+/// entries that point into them.
+template <Element T>
+struct ShiftedRows {
+  std::vector<T> k, v;
+  std::vector<LayerRestore<T>> entries;
+};
+
+/// The rows of every layer of `seq` after positions [n_keep, n_keep + n_discard) are dropped and
+/// the later keys turned back (pack_shifted), read from `view_of(l)`, a host KVView of layer l.
+/// @throws position_error (shifted_layout), std::bad_alloc.
+template <Element T, class ViewOf>
+ShiftedRows<T> shift_rows(const CacheShape& shape, std::size_t seq, std::size_t n_keep,
+                          std::size_t n_discard, const Rope& rope, ViewOf&& view_of) {
+  const auto keep = static_cast<position_t>(n_keep);
+  const auto end = static_cast<position_t>(n_keep + n_discard);
+  std::vector<ShiftedLayout> layouts(shape.num_layers);
+  std::vector<std::size_t> first_row(shape.num_layers + 1, 0);
+  for (std::size_t l = 0; l < shape.num_layers; ++l) {
+    const auto view = view_of(l);
+    layouts[l] =
+        shifted_layout(seq, l, view.length(), view.sink_end(), view.recent_begin(), keep, end);
+    const ShiftedLayout& s = layouts[l];
+    first_row[l + 1] =
+        first_row[l] + static_cast<std::size_t>(s.sink_end + s.length - s.recent_begin);
+  }
+  const std::size_t row_elems = shape.token_elems();
+  ShiftedRows<T> out;
+  out.k.resize(first_row.back() * row_elems);
+  out.v.resize(out.k.size());
+  out.entries.resize(shape.num_layers);
+  std::vector<float> scratch(kShiftTile * shape.head_dim);
+  for (std::size_t l = 0; l < shape.num_layers; ++l) {
+    const std::size_t held = first_row[l + 1] - first_row[l];
+    T* k_out = out.k.data() + first_row[l] * row_elems;
+    T* v_out = out.v.data() + first_row[l] * row_elems;
+    pack_shifted(view_of(l), rope, keep, end, k_out, v_out, held, scratch.data());
+    const ShiftedLayout& s = layouts[l];
+    out.entries[l] = {.layer = l,
+                      .seq = seq,
+                      .length = s.length,
+                      .sink_end = s.sink_end,
+                      .recent_begin = s.recent_begin,
+                      .k = {k_out, held * row_elems},
+                      .v = {v_out, held * row_elems}};
+  }
+  return out;
+}
+
+/// The ids a sequence with ids `old` holds after the shift: the first n_keep, then those past
+/// n_keep + n_discard.
+inline std::vector<token_id> shifted_ids(std::span<const token_id> old, std::size_t n_keep,
+                                         std::size_t n_discard) {
+  std::vector<token_id> ids(
+      old.begin(), old.begin() + static_cast<std::ptrdiff_t>(std::min(old.size(), n_keep)));
+  if (old.size() > n_keep + n_discard) {
+    ids.insert(ids.end(), old.begin() + static_cast<std::ptrdiff_t>(n_keep + n_discard), old.end());
+  }
+  return ids;
+}
+
 }  // namespace detail
 
 /// Context shift: drops positions [n_keep, n_keep + n_discard) of sequence `seq` in every layer
@@ -169,65 +256,14 @@ void context_shift(C& cache, std::size_t seq, std::size_t n_keep, std::size_t n_
                    const Rope& rope) {
   using T = typename C::value_type;
   const CacheShape shape = cache.shape();
-  detail::check_seq("context_shift", seq, cache.max_batch());
-  if (rope.head_dim() != shape.head_dim) {
-    throw shape_error(detail::message("context_shift: the RoPE is for head_dim ", rope.head_dim(),
-                                      " but the cache has head_dim ", shape.head_dim));
-  }
-  const std::size_t length = cache.seq_length(seq);
-  for (std::size_t l = 1; l < shape.num_layers; ++l) {
-    if (cache.layer_length(l, seq) != length) {
-      throw position_error(detail::message(
-          "context_shift: layer ", l, " of sequence ", seq, " holds ", cache.layer_length(l, seq),
-          " positions but layer 0 holds ", length, "; shift between forward passes"));
-    }
-  }
-  if (n_keep > length || n_discard > length - n_keep) {
-    throw position_error(detail::message("context_shift: discarding ", n_discard,
-                                         " positions after n_keep ", n_keep, " of sequence ", seq,
-                                         ", which holds only ", length));
-  }
+  detail::check_context_shift("context_shift", shape, cache.max_batch(), seq, n_keep, n_discard,
+                              rope, [&](std::size_t l) { return cache.layer_length(l, seq); });
   if (n_discard == 0) return;
-  const auto keep = static_cast<position_t>(n_keep);
-  const auto end = static_cast<position_t>(n_keep + n_discard);
-
-  std::vector<detail::ShiftedLayout> layouts(shape.num_layers);
-  std::vector<std::size_t> first_row(shape.num_layers + 1, 0);
-  for (std::size_t l = 0; l < shape.num_layers; ++l) {
-    const auto view = cache.view(l, seq);
-    layouts[l] = detail::shifted_layout(seq, l, view.length(), view.sink_end(), view.recent_begin(),
-                                        keep, end);
-    const detail::ShiftedLayout& s = layouts[l];
-    first_row[l + 1] =
-        first_row[l] + static_cast<std::size_t>(s.sink_end + s.length - s.recent_begin);
-  }
-  const std::size_t row_elems = shape.token_elems();
-  std::vector<T> k(first_row.back() * row_elems), v(k.size());
-  std::vector<float> scratch(detail::kShiftTile * shape.head_dim);
-  std::vector<LayerRestore<T>> entries(shape.num_layers);
-  for (std::size_t l = 0; l < shape.num_layers; ++l) {
-    const std::size_t held = first_row[l + 1] - first_row[l];
-    T* k_out = k.data() + first_row[l] * row_elems;
-    T* v_out = v.data() + first_row[l] * row_elems;
-    detail::pack_shifted(cache.view(l, seq), rope, keep, end, k_out, v_out, held, scratch.data());
-    const detail::ShiftedLayout& s = layouts[l];
-    entries[l] = {.layer = l,
-                  .seq = seq,
-                  .length = s.length,
-                  .sink_end = s.sink_end,
-                  .recent_begin = s.recent_begin,
-                  .k = {k_out, held * row_elems},
-                  .v = {v_out, held * row_elems}};
-  }
-  const std::span<const LayerRestore<T>> all(entries);
+  const detail::ShiftedRows<T> rows = detail::shift_rows<T>(
+      shape, seq, n_keep, n_discard, rope, [&](std::size_t l) { return cache.view(l, seq); });
+  const std::span<const LayerRestore<T>> all(rows.entries);
   if constexpr (requires { cache.restore(all, std::span<const SequenceTokens>{}); }) {
-    const std::span<const token_id> old = cache.tokens(seq);
-    std::vector<token_id> ids(
-        old.begin(), old.begin() + static_cast<std::ptrdiff_t>(std::min(old.size(), n_keep)));
-    if (old.size() > n_keep + n_discard) {
-      ids.insert(ids.end(), old.begin() + static_cast<std::ptrdiff_t>(n_keep + n_discard),
-                 old.end());
-    }
+    const std::vector<token_id> ids = detail::shifted_ids(cache.tokens(seq), n_keep, n_discard);
     std::size_t exact = n_keep;  // what follows carries the dropped tokens' context
     if constexpr (requires { cache.exact_prefix(seq); }) {
       exact = std::min(exact, cache.exact_prefix(seq));
