@@ -458,7 +458,7 @@ TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host cache
     for (std::size_t l = 0; l < kLayers; ++l) {
       const std::size_t len = host.layer_length(l, s), n = len * kHeads * kDim;
       std::vector<float> kh(n), vh(n), kd(n), vd(n);
-      kcuda::detail::pack_rows(host.view(l, s), std::span<float>(kh), std::span<float>(vh));
+      kvcache::detail::pack_view_rows(host.view(l, s), kh.data(), vh.data());
       p.dev.read_rows(l, s, kd, vd, nullptr);
       REQUIRE(kh == kd);
       REQUIRE(vh == vd);
@@ -530,15 +530,7 @@ TEST_CASE("context_shift of a paged DeviceCache does what it does to a PagedCach
         const std::size_t len = p.dev.layer_length(l, q), n = len * kHeads * kDim;
         std::vector<float> k(n), v(n), hk(n), hv(n);
         p.dev.read_rows(l, q, k, v, nullptr);
-        const auto view = p.host.view(l, q);
-        for (std::size_t i = 0; i < view.num_segments(); ++i) {
-          const auto seg = view.segment(i);
-          for (std::size_t h = 0; h < kHeads; ++h) {
-            const auto at = (h * len + static_cast<std::size_t>(seg.first_pos)) * kDim;
-            std::copy_n(seg.k + h * seg.head_stride, seg.len * kDim, hk.begin() + at);
-            std::copy_n(seg.v + h * seg.head_stride, seg.len * kDim, hv.begin() + at);
-          }
-        }
+        kvcache::detail::pack_view_rows(p.host.view(l, q), hk.data(), hv.data());
         REQUIRE(k == hk);
         REQUIRE(v == hv);
       }

@@ -13,6 +13,7 @@
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/view.hpp"
 
 namespace kvcache {
 
@@ -109,6 +110,38 @@ void copy_packed_rows(T* dst, std::size_t head_stride, std::size_t dst_slot, con
   for (std::size_t h = 0; h < shape.num_kv_heads; ++h) {
     const T* from = src + (h * held + src_first) * d;
     std::copy(from, from + n * d, dst + h * head_stride + dst_slot * d);
+  }
+}
+
+/// Writes the positions [index * block_size, (index + 1) * block_size) that `e` holds into
+/// `block`, a paged block [K, V][num_kv_heads][block_size][head_dim]: block `index` of a
+/// sequence restored from e. @pre e holds every position (sink_end == recent_begin == 0).
+template <Element T>
+void fill_packed_block(T* block, std::size_t block_size, const CacheShape& shape,
+                       const LayerRestore<T>& e, std::size_t index) noexcept {
+  const std::size_t n = e.held(), first = index * block_size;
+  if (first >= n) return;
+  const std::size_t head_elems = block_size * shape.head_dim;
+  const std::size_t rows = std::min(block_size, n - first);
+  copy_packed_rows(block, head_elems, 0, e.k.data(), n, first, rows, shape);
+  copy_packed_rows(block + shape.num_kv_heads * head_elems, head_elems, 0, e.v.data(), n, first,
+                   rows, shape);
+}
+
+/// The rows `view` holds, packed as a LayerRestore holds them: k and v [num_kv_heads][held]
+/// [head_dim], held = view_num_tokens(view), positions in view order (sinks, then the recent
+/// ones). @pre k and v hold held * num_kv_heads * head_dim elements each.
+template <KVView V, Element T = typename V::value_type>
+void pack_view_rows(const V& view, T* k, T* v) noexcept {
+  const std::size_t held = view_num_tokens(view), d = view.head_dim();
+  std::size_t row = 0;  // packed index of the segment's first position
+  for (std::size_t i = 0; i < view.num_segments(); ++i) {
+    const KVSegment<T> seg = view.segment(i);
+    for (std::size_t h = 0; h < view.num_kv_heads(); ++h) {
+      std::copy_n(seg.k + h * seg.head_stride, seg.len * d, k + (h * held + row) * d);
+      std::copy_n(seg.v + h * seg.head_stride, seg.len * d, v + (h * held + row) * d);
+    }
+    row += seg.len;
   }
 }
 

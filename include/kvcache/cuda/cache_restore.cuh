@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/layout.hpp"
 #include "kvcache/core/restore.hpp"
+#include "kvcache/core/view.hpp"
 #include "kvcache/cuda/cache.cuh"
 #include "kvcache/cuda/runtime.cuh"
 
@@ -46,8 +48,7 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
     extents[i] = {e.layer, e.seq, static_cast<std::size_t>(e.length)};
     most_fresh += (e.held() + config_.block_size - 1) / config_.block_size;
   }
-  const std::size_t block_elems = 2 * v_offset(),
-                    head_elems = config_.block_size * config_.head_dim;
+  const std::size_t block_elems = 2 * v_offset();
   std::vector<T> staging(most_fresh * block_elems);
   std::vector<bool> named(config_.max_batch, false);  // whose table and lengths change
   for (const LayerRestore<T>& e : entries) named[e.seq] = true;
@@ -63,11 +64,7 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
     for (const RestorePlan::Range r : plan.fresh_blocks(e.seq)) {
       for (std::size_t i = r.begin; i < r.end && i * config_.block_size < n; ++i) {
         T* block = staging.data() + used++ * block_elems;
-        const std::size_t first = i * config_.block_size;
-        const std::size_t rows = std::min(config_.block_size, n - first);
-        kvcache::detail::copy_packed_rows(block, head_elems, 0, e.k.data(), n, first, rows, shape);
-        kvcache::detail::copy_packed_rows(block + v_offset(), head_elems, 0, e.v.data(), n, first,
-                                          rows, shape);
+        kvcache::detail::fill_packed_block(block, config_.block_size, shape, e, i);
         T* dst = storage_.data() + layer_offset(e.layer) + std::size_t{table[i]} * block_elems;
         check(cudaMemcpyAsync(dst, block, block_elems * sizeof(T), cudaMemcpyHostToDevice, stream),
               "cudaMemcpyAsync(restore)");
@@ -109,14 +106,15 @@ void DeviceCache<T>::read_rows(std::size_t layer, std::size_t seq, std::span<T> 
           "cudaMemcpyAsync(read_rows)");
   }
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(read_rows)");
-  const std::size_t d = config_.head_dim;
-  for (std::size_t pos = 0; pos < len; ++pos) {
-    const T* block = staging.data() + (pos / bs) * block_elems + (pos % bs) * d;
-    for (std::size_t h = 0; h < config_.num_kv_heads; ++h) {
-      std::copy_n(block + h * bs * d, d, k.data() + (h * len + pos) * d);
-      std::copy_n(block + v_offset() + h * bs * d, d, v.data() + (h * len + pos) * d);
-    }
-  }
+  // the staged blocks as a paged layout of their own, block i at index i
+  std::vector<block_id> identity(pages);
+  for (std::size_t i = 0; i < pages; ++i) identity[i] = static_cast<block_id>(i);
+  const KVLayout<T> staged = paged_layout(
+      static_cast<const T*>(staging.data()), static_cast<int>(config_.num_kv_heads),
+      static_cast<int>(config_.head_dim), static_cast<int>(bs),
+      static_cast<std::int64_t>(block_elems), identity.data(), 1, static_cast<int>(pages));
+  kvcache::detail::pack_view_rows(
+      LayoutView<T>(staged, 0, KeyRange{0, 0, static_cast<std::int64_t>(len)}), k.data(), v.data());
 }
 
 }  // namespace kvcache::cuda

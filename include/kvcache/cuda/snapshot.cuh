@@ -37,21 +37,6 @@ PagedCache<T> staging_cache(const DeviceCache<T>& cache, std::size_t blocks) {
                         .max_seq_len = c.max_seq_len});
 }
 
-// The rows of one (layer, seq) of a host view, packed [heads][length][head_dim] into k and v.
-template <class View, Element T>
-void pack_rows(const View& view, std::span<T> k, std::span<T> v) {
-  const auto len = static_cast<std::size_t>(view.length());
-  const std::size_t d = view.head_dim();
-  for (std::size_t i = 0; i < view.num_segments(); ++i) {
-    const auto seg = view.segment(i);
-    const auto first = static_cast<std::size_t>(seg.first_pos);
-    for (std::size_t h = 0; h < view.num_kv_heads(); ++h) {
-      std::copy_n(seg.k + h * seg.head_stride, seg.len * d, k.data() + (h * len + first) * d);
-      std::copy_n(seg.v + h * seg.head_stride, seg.len * d, v.data() + (h * len + first) * d);
-    }
-  }
-}
-
 // What restore() takes to put `seqs` of `source` into another cache: per (layer, seq) the rows
 // (`rows` owns them), per seq its ids, exact prefix and extra key. read(l, q, k, v) fills rows.
 template <Element T, class Source, class Read>
@@ -146,7 +131,7 @@ SnapshotInfo load_snapshot(const std::filesystem::path& path, DeviceCache<T>& ca
   detail::collect<T>(
       staging, dest, c.num_layers, c.num_kv_heads * c.head_dim,
       [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v) {
-        detail::pack_rows(staging.view(l, q), k, v);
+        kvcache::detail::pack_view_rows(staging.view(l, q), k.data(), v.data());
       },
       rows, entries, tokens);
   cache.restore(entries, tokens, stream);

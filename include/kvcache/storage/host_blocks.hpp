@@ -84,14 +84,7 @@ class HostBlocks {
   /// block `index` of a sequence restored from `e` (whose K/V is packed, PagedCache holding
   /// every position). @pre e.sink_end == e.recent_begin == 0.
   void fill_block(const LayerRestore<T>& e, std::size_t index, block_id b) noexcept {
-    const std::size_t n = e.held(), first = index * block_size_;
-    if (first >= n) return;
-    const std::size_t head_elems = block_size_ * shape_.head_dim;
-    const std::size_t rows = std::min(block_size_, n - first);
-    T* base = block(e.layer, b);
-    detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, rows, shape_);
-    detail::copy_packed_rows(base + shape_.num_kv_heads * head_elems, head_elems, 0, e.v.data(), n,
-                             first, rows, shape_);
+    detail::fill_packed_block(block(e.layer, b), block_size_, shape_, e, index);
   }
 
  private:
