@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The CUDA kernels against the CPU: appends must store bit-identical rows (every dtype, layout,
 // block boundary), and decode and prefill attention must equal kvcache::reference over the same
-// cached tokens (random data, odd sizes, GQA groups, windows, sinks, soft-caps, splits). Every
-// test skips with a message when no CUDA device is present.
+// cached tokens (random data, odd sizes, GQA groups, windows, sinks, soft-caps, splits); context
+// shifts, restores and row reads of every layout leave what the host caches do. Every test skips
+// with a message when no CUDA device is present.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include <span>
 #include <string>
 #include <tuple>
+#include <typeinfo>
 #include <vector>
 
 #include "kvcache/cuda/cuda.cuh"
@@ -1032,6 +1034,89 @@ TEMPLATE_TEST_CASE(
           return seq == p.seq && h / group == p.kv_head && sees(opts, qpos, p.pos);
         });
       }
+    }
+  }
+}
+
+TEST_CASE(
+    "context_shift, restore and read_rows of a DeviceCache equal the host cache's, every "
+    "layout",
+    "[cuda]") {
+  if (!have_device()) return;
+  auto rng = kvcache::test::make_rng("device_context_shift");
+  const kvcache::Rope rope({.base = 10000.0f}, 16);
+  for (const kcuda::Layout layout : kLayouts) {
+    // layers, heads, dim, batch, capacity, window, sinks, max_append: ring_len 11
+    const Twin t{layout, 2, 2, 16, 3, 40, 8, 2, 4};
+    INFO("layout " << static_cast<int>(layout));
+    kcuda::DeviceCacheConfig config = device_config(t);
+    config.num_blocks *= 2;  // paged: room for a shifted sequence's blocks beside its old ones
+    kcuda::DeviceCache<float> dev(config);
+    CpuTwin<float> cpu(t);
+    fill(dev, cpu, t, rng, {30, 6, 17});
+    int shifted = 0, refused = 0;
+    for (int round = 0; round < 16; ++round) {
+      const std::size_t s = kvcache::test::uniform(rng, 0, t.batch - 1);
+      const std::size_t len = dev.seq_length(s);
+      // past the end at times; for the ring, mostly n_keep = the sinks (what a window allows)
+      const std::size_t keep =
+          layout == kcuda::Layout::ring && kvcache::test::uniform(rng, 0, 3) != 0
+              ? std::min(t.sinks, len)
+              : kvcache::test::uniform(rng, 0, len);
+      // round 0: one past the end, refused by both
+      const std::size_t discard =
+          round == 0 ? len - keep + 1 : kvcache::test::uniform(rng, 0, len - keep + 1);
+      INFO("round " << round << ": sequence " << s << " of " << len << ", keep " << keep
+                    << ", discard " << discard);
+      std::string host_error, dev_error;
+      try {
+        if (cpu.ring) kvcache::context_shift(*cpu.ring, s, keep, discard, rope);
+        if (cpu.flat) kvcache::context_shift(*cpu.flat, s, keep, discard, rope);
+      } catch (const kvcache::error& e) {
+        host_error = typeid(e).name();
+      }
+      try {
+        kcuda::context_shift(dev, s, keep, discard, rope, nullptr);
+      } catch (const kvcache::error& e) {
+        dev_error = typeid(e).name();
+      }
+      REQUIRE(dev_error == host_error);
+      (host_error.empty() ? shifted : refused) += 1;
+      // the same positions and rows everywhere (read_rows against the host view, packed)
+      for (std::size_t l = 0; l < t.layers; ++l) {
+        for (std::size_t q = 0; q < t.batch; ++q) {
+          cpu.with_view(l, q, [&](const auto& cv) {
+            const kvcache::KeyRange r = dev.keys(l, q);
+            REQUIRE(r.length == cv.length());
+            REQUIRE(r.sink_end == cv.sink_end());
+            REQUIRE(r.recent_begin == cv.recent_begin());
+            const std::size_t n = kvcache::view_num_tokens(cv) * t.heads * t.dim;
+            std::vector<float> hk(n), hv(n), dk(n), dv(n);
+            kvcache::detail::pack_view_rows(cv, hk.data(), hv.data());
+            dev.read_rows(l, q, dk, dv, nullptr);
+            REQUIRE(dk == hk);
+            REQUIRE(dv == hv);
+          });
+        }
+      }
+      // and appends go on alike
+      std::vector<std::size_t> more(t.batch);
+      for (std::size_t q = 0; q < t.batch; ++q) {
+        more[q] = layout == kcuda::Layout::ring
+                      ? 3
+                      : std::min<std::size_t>(3, t.capacity - dev.seq_length(q));
+      }
+      fill(dev, cpu, t, rng, more);
+    }
+    INFO(shifted << " shifts, " << refused << " refused alike");
+    CHECK(shifted >= 3);
+    CHECK(refused >= 1);
+    std::string first_mismatch;
+    CHECK(count_mismatches(dev, cpu, t, first_mismatch) == 0);
+    if (layout != kcuda::Layout::paged) {
+      const kvcache::SequenceTokens ids[] = {{.seq = 0, .ids = {}}};
+      kvcache::test::require_throws<kvcache::shape_error>([&] { dev.restore({}, ids, nullptr); },
+                                                          "only the paged layout keeps token ids");
     }
   }
 }

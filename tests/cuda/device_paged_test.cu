@@ -579,14 +579,4 @@ TEST_CASE("context_shift of a paged DeviceCache does what it does to a PagedCach
   REQUIRE(a == b);
   p.check_state();
   same_rows();
-
-  // not paged: refused
-  kcuda::DeviceCache<float> ring({.layout = kcuda::Layout::ring,
-                                  .num_layers = 1,
-                                  .num_kv_heads = kHeads,
-                                  .head_dim = kDim,
-                                  .max_batch = 1,
-                                  .window = 8,
-                                  .max_append_len = 4});
-  REQUIRE_THROWS_AS(kcuda::context_shift(ring, 0, 0, 0, rope, nullptr), kvcache::shape_error);
 }

@@ -100,6 +100,55 @@ void check_restore_entries(const char* cache, std::span<const LayerRestore<T>> e
   }
 }
 
+/// restore() checks of a cache that holds every position of a sequence up to `max_len` (a
+/// static or contiguous cache): no entry drops positions, none is longer than max_len.
+/// @throws position_error, capacity_error naming entry `i`.
+template <Element T>
+void check_whole_restore(const char* cache, std::span<const LayerRestore<T>> entries,
+                         std::size_t max_len) {
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const LayerRestore<T>& e = entries[i];
+    if (e.sink_end != 0 || e.recent_begin != 0) {
+      throw position_error(detail::message(cache, ": restore entry ", i, " drops positions [",
+                                           e.sink_end, ", ", e.recent_begin, "), but a ", cache,
+                                           " holds every position"));
+    }
+    if (static_cast<std::size_t>(e.length) > max_len) {
+      throw capacity_error(detail::message(cache, ": restore entry ", i, ": sequence ", e.seq,
+                                           " layer ", e.layer, " holds ", e.length,
+                                           " tokens, more than max_seq_len ", max_len));
+    }
+  }
+}
+
+/// restore() checks of a sliding window with `num_sinks` sinks and a ring of `ring_len`
+/// positions (window + max_append_len - 1): each entry is a state such a window can be in, the
+/// sinks whole ([0, min(length, num_sinks))), the rest at most ring_len positions past them.
+/// @throws position_error, capacity_error naming entry `i`.
+template <Element T>
+void check_window_restore(const char* cache, std::span<const LayerRestore<T>> entries,
+                          std::size_t num_sinks, std::size_t window, std::size_t max_append_len) {
+  const auto sinks = static_cast<position_t>(num_sinks);
+  const std::size_t ring_len = window + max_append_len - 1;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const LayerRestore<T>& e = entries[i];
+    const bool all_sinks = e.length <= sinks;
+    if (all_sinks ? (e.sink_end != e.length || e.recent_begin != e.length)
+                  : (e.sink_end != sinks || e.recent_begin < sinks)) {
+      throw position_error(detail::message(
+          cache, ": restore entry ", i, " (sequence ", e.seq, " layer ", e.layer, "): length ",
+          e.length, ", sink_end ", e.sink_end, ", recent_begin ", e.recent_begin,
+          " is not a state of a window with ", num_sinks, " sink tokens"));
+    }
+    if (static_cast<std::size_t>(e.length - e.recent_begin) > ring_len) {
+      throw capacity_error(detail::message(
+          cache, ": restore entry ", i, " (sequence ", e.seq, " layer ", e.layer, ") holds ",
+          e.length - e.recent_begin, " ring positions, more than ring_len ", ring_len, " (window ",
+          window, ", max_append_len ", max_append_len, ")"));
+    }
+  }
+}
+
 /// Copies positions [first, first + n) of a packed head-major [heads][held][head_dim] source,
 /// starting at packed index `src_first`, into storage rows dst + h * head_stride + slot * dim.
 template <Element T>

@@ -209,6 +209,15 @@ class DeviceCache {
     return static_cast<std::size_t>(state(layer, seq).length);
   }
   [[nodiscard]] std::size_t seq_length(std::size_t seq) const { return layer_length(0, seq); }
+  /// The positions `layer` of `seq` holds, [0, sink_end) and [recent_begin, length) (a ring that
+  /// has evicted leaves a gap; other layouts hold every position). @throws layer_error,
+  /// batch_error.
+  [[nodiscard]] KeyRange keys(std::size_t layer, std::size_t seq) const {
+    check_layer(layer);
+    check_seq(seq);
+    const auto [se, rb, len] = present(state(layer, seq));
+    return {se, rb, len};
+  }
   [[nodiscard]] std::size_t max_batch() const noexcept { return config_.max_batch; }
   [[nodiscard]] const DeviceCacheConfig& config() const noexcept { return config_; }
   /// Device bytes of K/V storage (plus the block table for paged).
@@ -339,7 +348,7 @@ class DeviceCache {
     require_paged("paged");
     return paged_->manager();
   }
-  /// PagedCache::restore() on the device, paged layout (cuda/cache_restore.cuh).
+  /// The host caches' restore() on the device, every layout (cuda/cache_restore.cuh).
   void restore(std::span<const LayerRestore<T>> entries, std::span<const SequenceTokens> tokens,
                cudaStream_t stream);
   /// The rows of `layer` of `seq` in host memory, packed (cuda/cache_restore.cuh).

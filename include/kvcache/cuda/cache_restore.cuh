@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// DeviceCache::restore() and read_rows(): a paged device cache's rows to and from host memory,
-// what snapshots of device caches go through (cuda/snapshot.cuh). Part of DeviceCache
-// (cache.cuh includes it).
+// DeviceCache::restore() and read_rows(): a device cache's rows to and from host memory, what
+// snapshots and context shifts of device caches go through (cuda/snapshot.cuh,
+// cuda/context_shift.cuh). Part of DeviceCache (cache.cuh includes it).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -22,20 +22,82 @@
 
 namespace kvcache::cuda {
 
-/// PagedCache::restore() on the device (paged layout; snapshots of device caches go through
-/// it, see cuda/snapshot.cuh): replaces every sequence an entry or `tokens` names, sharing
-/// the blocks the index or another named sequence already has and copying the other rows from
-/// host memory into fresh blocks, then indexing the full ones. One host-to-device copy per
-/// fresh block of each layer, all on `stream`, which is synchronised once at the end (the rows
-/// are staged in host memory until then). Allocates the staging buffer and the plan.
-/// @throws shape_error (not paged), and as PagedCache::restore(), all before anything
-///         changes; cuda_error.
+namespace detail {
+
+/// The runs of rows that hold `keys` of sequence `seq` in `layout` (a LayoutView's segments),
+/// per KV head: fn(element offset of the run's first row from the layer's K base, head, packed
+/// index of the run's first position, rows). Host arithmetic only: nothing is dereferenced.
+template <Element T, class F>
+void for_each_run(const KVLayout<T>& layout, int seq, const KeyRange& keys, F&& fn) {
+  const LayoutView<T> view(layout, seq, keys);
+  std::size_t row = 0;
+  for (std::size_t i = 0; i < view.num_segments(); ++i) {
+    const KVSegment<T> seg = view.segment(i);
+    const auto first = static_cast<std::size_t>(seg.k - layout.k);
+    for (std::size_t h = 0; h < view.num_kv_heads(); ++h) {
+      fn(first + h * seg.head_stride, h, row, seg.len);
+    }
+    row += seg.len;
+  }
+}
+
+}  // namespace detail
+
+/// The host caches' restore() on the device; snapshots of device caches go through it (see
+/// cuda/snapshot.cuh), and so does cuda::context_shift.
+///  - Paged layout: PagedCache::restore(): replaces every sequence an entry or `tokens` names,
+///    sharing the blocks the index or another named sequence already has and copying the other
+///    rows from host memory into fresh blocks, then indexing the full ones. One host-to-device
+///    copy per fresh block of each layer.
+///  - Contiguous and ring layouts: StaticCache::restore() and SlidingWindowCache::restore()
+///    (the same checks): each entry's (layer, seq) holds exactly its positions afterwards, other
+///    layers and sequences untouched; `tokens` must be empty (these layouts keep no ids). One
+///    host-to-device copy per run of rows and head.
+/// All copies go on `stream`, which is synchronised once at the end (the paged rows are staged
+/// in host memory until then). Allocates the staging buffer and the plan (paged).
+/// @throws shape_error (ids for a layout without them), and as the host cache's restore(), all
+///         before anything changes; cuda_error.
 template <Element T>
 void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
                              std::span<const SequenceTokens> tokens, cudaStream_t stream) {
-  require_paged("restore");
   const CacheShape shape{config_.num_layers, config_.num_kv_heads, config_.head_dim, dtype_of<T>};
   kvcache::detail::check_restore_entries("DeviceCache", entries, shape, config_.max_batch);
+  if (!paged_) {
+    if (!tokens.empty()) {
+      throw shape_error(
+          kvcache::detail::message("DeviceCache::restore: ", tokens.size(),
+                                   " token-id records, but only the paged layout keeps token ids"));
+    }
+    if (config_.layout == Layout::ring) {
+      kvcache::detail::check_window_restore("DeviceCache", entries, config_.num_sink_tokens,
+                                            config_.window, config_.max_append_len);
+    } else {
+      kvcache::detail::check_whole_restore("DeviceCache", entries, config_.max_seq_len);
+    }
+    const std::size_t d = config_.head_dim;
+    const auto s = static_cast<std::int64_t>(sinks());
+    detail::MetaBatch meta;
+    for (const LayerRestore<T>& e : entries) {
+      T* base = storage_.data() + layer_offset(e.layer);
+      const std::size_t held = e.held();
+      detail::for_each_run(
+          view(e.layer), static_cast<int>(e.seq), KeyRange{e.sink_end, e.recent_begin, e.length},
+          [&](std::size_t offset, std::size_t h, std::size_t row, std::size_t n) {
+            const std::size_t at = (h * held + row) * d;
+            check(cudaMemcpyAsync(base + offset, e.k.data() + at, n * d * sizeof(T),
+                                  cudaMemcpyHostToDevice, stream),
+                  "cudaMemcpyAsync(restore)");
+            check(cudaMemcpyAsync(base + v_offset() + offset, e.v.data() + at, n * d * sizeof(T),
+                                  cudaMemcpyHostToDevice, stream),
+                  "cudaMemcpyAsync(restore)");
+          });
+      state(e.layer, e.seq) = State{e.length, e.length <= s ? s : e.recent_begin};
+      push_meta(meta, e.layer, e.seq, stream);
+    }
+    flush_meta(meta, stream);
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(restore)");
+    return;
+  }
   std::vector<RestoreExtent> extents(entries.size());
   std::size_t most_fresh = 0;  // blocks the rows could need: the staging, allocated up front
   for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -78,23 +140,41 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(restore)");
 }
 
-/// The rows `layer` of `seq` holds (paged layout), downloaded into host memory packed as a
-/// LayerRestore holds them: k and v [num_kv_heads][layer_length][head_dim]. One copy per
-/// block, then one synchronisation of `stream` (after the cache's earlier work on it).
-/// @throws shape_error (not paged; k or v of another size), layer_error, batch_error,
-///         cuda_error.
+/// The rows `layer` of `seq` holds, downloaded into host memory packed as a LayerRestore holds
+/// them: k and v [num_kv_heads][held][head_dim], held = keys(layer, seq).count() (the
+/// sequence's length, except for a ring that has evicted: its sinks, then its window). One copy
+/// per block (paged) or per run of rows and head, then one synchronisation of `stream` (after the
+/// cache's earlier work on it).
+/// @throws shape_error (k or v of another size), layer_error, batch_error, cuda_error.
 template <Element T>
 void DeviceCache<T>::read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
                                cudaStream_t stream) const {
-  require_paged("read_rows");
-  const std::size_t len = layer_length(layer, seq);
+  const KeyRange held_keys = keys(layer, seq);
+  const auto held = static_cast<std::size_t>(held_keys.count());
   const std::size_t row = config_.num_kv_heads * config_.head_dim;
-  if (k.size() != len * row || v.size() != len * row) {
+  if (k.size() != held * row || v.size() != held * row) {
     throw shape_error(kvcache::detail::message("DeviceCache::read_rows: sequence ", seq, " layer ",
-                                               layer, " holds ", len, " positions: K and V need ",
-                                               len * row, " elements each, got ", k.size(), " and ",
-                                               v.size()));
+                                               layer, " holds ", held, " positions: K and V need ",
+                                               held * row, " elements each, got ", k.size(),
+                                               " and ", v.size()));
   }
+  if (!paged_) {
+    const std::size_t d = config_.head_dim;
+    const T* base = storage_.data() + layer_offset(layer);
+    detail::for_each_run(view(layer), static_cast<int>(seq), held_keys,
+                         [&](std::size_t offset, std::size_t h, std::size_t first, std::size_t n) {
+                           const std::size_t at = (h * held + first) * d;
+                           check(cudaMemcpyAsync(k.data() + at, base + offset, n * d * sizeof(T),
+                                                 cudaMemcpyDeviceToHost, stream),
+                                 "cudaMemcpyAsync(read_rows)");
+                           check(cudaMemcpyAsync(v.data() + at, base + v_offset() + offset,
+                                                 n * d * sizeof(T), cudaMemcpyDeviceToHost, stream),
+                                 "cudaMemcpyAsync(read_rows)");
+                         });
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(read_rows)");
+    return;
+  }
+  const std::size_t len = held;  // a paged sequence holds every position
   const std::size_t bs = config_.block_size, block_elems = 2 * v_offset();
   const std::size_t pages = (len + bs - 1) / bs;
   std::vector<T> staging(pages * block_elems);

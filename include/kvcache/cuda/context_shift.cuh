@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Context shift of a paged DeviceCache: kvcache::context_shift() (policy/context_shift.hpp) on
-// the device. The sequence's rows come to host memory, are shifted there by the host code (the
-// same keys turned back, the same ids and exact prefix) and go back through DeviceCache::restore(),
-// so the device follows the host PagedCache's rules and bits.
+// Context shift of a DeviceCache: kvcache::context_shift() (policy/context_shift.hpp) on the
+// device. The sequence's rows come to host memory, are shifted there by the host code (the same
+// keys turned back, the same ids and exact prefix) and go back through DeviceCache::restore(), so
+// the device follows the host caches' rules and bits.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -24,48 +24,64 @@
 
 namespace kvcache::cuda {
 
-/// kvcache::context_shift() for a DeviceCache with the paged layout: drops positions
+/// kvcache::context_shift() for a DeviceCache, any layout: drops positions
 /// [n_keep, n_keep + n_discard) of `seq` in every layer and moves every later token back by
 /// n_discard positions, its key turned back by n_discard positions of `rope`, its value moved
-/// unchanged. The results and rules are the host PagedCache's, bit for bit: the ids of the dropped
-/// positions go too, the blocks before n_keep stay shared as they were, and no block past n_keep
-/// of this sequence is shared or indexed afterwards (exact_prefix() <= n_keep, "Moved K/V").
+/// unchanged. The results and rules are those of the host cache of the same layout, bit for bit:
+///  - paged (PagedCache): the ids of the dropped positions go too, the blocks before n_keep stay
+///    shared as they were, and no block past n_keep of this sequence is shared or indexed
+///    afterwards (exact_prefix() <= n_keep, "Moved K/V");
+///  - ring (SlidingWindowCache): once the window has evicted, the shift must keep what it holds
+///    (n_keep at most the sinks; dropping some sinks drops the whole evicted gap);
+///  - contiguous (StaticCache): any shift.
 ///
 /// Staged through host memory, for the occasional shift of a full context rather than every
 /// step: the sequence's rows are downloaded (read_rows(), one synchronisation of `stream` per
-/// layer), shifted on the host, and restored (restore(), one more). Allocates host copies of the
-/// sequence's K/V (three) and ids.
-/// @throws shape_error (not the paged layout; a RoPE for another head_dim), batch_error,
-///         position_error (n_keep + n_discard past the sequence's length, layers of different
-///         lengths), pool_exhausted_error (the pool cannot hold the rewritten blocks): the cache
-///         is unchanged. cuda_error.
+/// layer), shifted on the host by the host caches' code, and restored (restore(), one more).
+/// Allocates host copies of the sequence's K/V (three) and ids.
+/// @throws shape_error (a RoPE for another head_dim), batch_error, position_error (n_keep +
+///         n_discard past the sequence's length, layers of different lengths, a window's shift
+///         named above), pool_exhausted_error (paged: the pool cannot hold the rewritten
+///         blocks): the cache is unchanged. cuda_error.
 template <Element T>
 void context_shift(DeviceCache<T>& cache, std::size_t seq, std::size_t n_keep,
                    std::size_t n_discard, const Rope& rope, cudaStream_t stream) {
   const DeviceCacheConfig& c = cache.config();
-  if (c.layout != Layout::paged) {
-    throw shape_error(
-        "cuda::context_shift: a DeviceCache with the paged layout only (contiguous and ring "
-        "device caches have no restore())");
-  }
   const CacheShape shape{c.num_layers, c.num_kv_heads, c.head_dim, dtype_of<T>};
   kvcache::detail::check_context_shift("cuda::context_shift", shape, c.max_batch, seq, n_keep,
                                        n_discard, rope,
                                        [&](std::size_t l) { return cache.layer_length(l, seq); });
   if (n_discard == 0) return;
-  const std::size_t len = cache.seq_length(seq), layer_elems = len * shape.token_elems();
-  std::vector<T> k(c.num_layers * layer_elems), v(k.size());
+  // each layer's rows, packed: its sinks, then its recent positions
+  std::vector<std::size_t> first(c.num_layers + 1, 0);
   for (std::size_t l = 0; l < c.num_layers; ++l) {
-    cache.read_rows(l, seq, std::span<T>(k).subspan(l * layer_elems, layer_elems),
-                    std::span<T>(v).subspan(l * layer_elems, layer_elems), stream);
+    first[l + 1] =
+        first[l] + static_cast<std::size_t>(cache.keys(l, seq).count()) * shape.token_elems();
   }
-  const auto view_of = [&](std::size_t l) {  // the downloaded rows: one segment
-    SegmentView<T, 1> view(c.num_kv_heads, c.head_dim, static_cast<position_t>(len), 0, 0);
-    view.push({k.data() + l * layer_elems, v.data() + l * layer_elems, len * c.head_dim, 0, len});
+  std::vector<T> k(first.back()), v(k.size());
+  for (std::size_t l = 0; l < c.num_layers; ++l) {
+    const std::size_t n = first[l + 1] - first[l];
+    cache.read_rows(l, seq, std::span<T>(k).subspan(first[l], n),
+                    std::span<T>(v).subspan(first[l], n), stream);
+  }
+  const auto view_of = [&](std::size_t l) {
+    const KeyRange r = cache.keys(l, seq);
+    const auto held = static_cast<std::size_t>(r.count());
+    const auto sink_rows = static_cast<std::size_t>(r.sink_end);
+    const T* kl = k.data() + first[l];
+    const T* vl = v.data() + first[l];
+    SegmentView<T, 2> view(c.num_kv_heads, c.head_dim, r.length, r.sink_end, r.recent_begin);
+    view.push({kl, vl, held * c.head_dim, 0, sink_rows});
+    view.push({kl + sink_rows * c.head_dim, vl + sink_rows * c.head_dim, held * c.head_dim,
+               r.recent_begin, held - sink_rows});
     return view;
   };
   const kvcache::detail::ShiftedRows<T> rows =
       kvcache::detail::shift_rows<T>(shape, seq, n_keep, n_discard, rope, view_of);
+  if (c.layout != Layout::paged) {
+    cache.restore(rows.entries, {}, stream);
+    return;
+  }
   const BlockManager<>& m = cache.paged();
   const std::vector<token_id> ids = kvcache::detail::shifted_ids(m.tokens(seq), n_keep, n_discard);
   const SequenceTokens tokens[] = {{.seq = seq,

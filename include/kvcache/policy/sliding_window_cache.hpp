@@ -223,24 +223,8 @@ class SlidingWindowCache {
   ///         all before anything changes.
   void restore(std::span<const LayerRestore<T>> entries) {
     detail::check_restore_entries(kName, entries, shape_, max_batch_);
+    detail::check_window_restore(kName, entries, num_sinks_, window_, max_append_len_);
     const position_t sinks = static_cast<position_t>(num_sinks_);
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      const LayerRestore<T>& e = entries[i];
-      const bool all_sinks = e.length <= sinks;
-      if (all_sinks ? (e.sink_end != e.length || e.recent_begin != e.length)
-                    : (e.sink_end != sinks || e.recent_begin < sinks)) {
-        throw position_error(detail::message(
-            kName, ": restore entry ", i, " (sequence ", e.seq, " layer ", e.layer, "): length ",
-            e.length, ", sink_end ", e.sink_end, ", recent_begin ", e.recent_begin,
-            " is not a state of a window with ", num_sinks_, " sink tokens"));
-      }
-      if (static_cast<std::size_t>(e.length - e.recent_begin) > ring_len_) {
-        throw capacity_error(detail::message(
-            kName, ": restore entry ", i, " (sequence ", e.seq, " layer ", e.layer, ") holds ",
-            e.length - e.recent_begin, " ring positions, more than ring_len ", ring_len_,
-            " (window ", window_, ", max_append_len ", max_append_len_, ")"));
-      }
-    }
     const std::size_t head_elems = slots_per_seq_ * shape_.head_dim;
     const std::size_t v_offset = shape_.num_kv_heads * head_elems;
     for (const LayerRestore<T>& e : entries) {

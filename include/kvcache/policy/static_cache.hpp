@@ -130,19 +130,7 @@ class StaticCache {
   ///         not 0), capacity_error (length > max_seq_len), all before anything changes.
   void restore(std::span<const LayerRestore<T>> entries) {
     detail::check_restore_entries(kName, entries, shape_, max_batch_);
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      const LayerRestore<T>& e = entries[i];
-      if (e.sink_end != 0 || e.recent_begin != 0) {
-        throw position_error(detail::message(kName, ": restore entry ", i, " drops positions [",
-                                             e.sink_end, ", ", e.recent_begin,
-                                             "), but a StaticCache holds every position"));
-      }
-      if (static_cast<std::size_t>(e.length) > max_seq_len_) {
-        throw capacity_error(detail::message(kName, ": restore entry ", i, ": sequence ", e.seq,
-                                             " layer ", e.layer, " holds ", e.length,
-                                             " tokens, more than max_seq_len ", max_seq_len_));
-      }
-    }
+    detail::check_whole_restore(kName, entries, max_seq_len_);
     const std::size_t head_elems = max_seq_len_ * shape_.head_dim;
     for (const LayerRestore<T>& e : entries) {
       T* base = storage_.data() + slab_offset(e.layer, e.seq);
