@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Decode attention bandwidth: 1 query token, 32 query heads over 8 KV heads, head_dim 128,
-// contexts 1k..32k, float and half K/V, 1 and 2 threads, each SIMD kernel the CPU has (AVX2,
-// AVX-512), against a memory-read baseline measured in the same run. Each iteration reads another
+// contexts 1k..32k, float, half, int8 and fp8 K/V, 1 and 2 threads, each SIMD kernel the CPU has
+// (AVX2, AVX-512), against a memory-read baseline and an FMA-peak baseline measured in the same
+// run. Each iteration reads another
 // layer of a cache much larger than the last-level cache, as a real decode step does, so the
 // figures are DRAM bandwidth, not cache bandwidth. Also: sliding decode with cache-relative
 // positions over absolute ones.
@@ -15,10 +16,15 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_support.hpp"
 #include "kvcache/kvcache.hpp"
+
+#if KVCACHE_X86_DISPATCH
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -49,6 +55,12 @@ std::unique_ptr<kvcache::StaticCache<T>> random_cache(std::size_t layers, std::s
   return cache;
 }
 
+// Bytes of one layer of `context` tokens in format T, the int8/fp8 rows' scales included.
+template <class T>
+std::size_t layer_bytes(std::size_t context) {
+  return kvcache::kv_cache_bytes({1, kKvHeads, kHeadDim, kvcache::dtype_of<T>}, context);
+}
+
 // One cache at a time (a few GiB), rebuilt when the dtype or context changes.
 template <class T>
 struct DecodeFixture {
@@ -61,8 +73,7 @@ struct DecodeFixture {
     if (f.context != context) {
       f.cache.reset();
       f.context = context;
-      const std::size_t per_layer =
-          kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(T));
+      const std::size_t per_layer = layer_bytes<T>(context);
       f.layers = std::max<std::size_t>(2, kWorkingSetBytes / per_layer);
       f.cache = random_cache<T>(f.layers, context);
     }
@@ -73,8 +84,8 @@ struct DecodeFixture {
 // Memory-read baseline: sums the K and V rows of one layer of the cache as 64-bit integers, with
 // `threads` threads (KV heads split between them as attention splits them) and 8 independent
 // accumulators each (vectorisable). The same bytes, in the same allocation, that an attention call
-// over that layer reads, so where the pages happen to lie affects both sides alike. Returns the
-// seconds it took.
+// over that layer reads (int8/fp8: the codes, not the scales beside them, 1.5% of the bytes), so
+// where the pages happen to lie affects both sides alike. Returns the seconds it took.
 template <kvcache::KVView V>
 double read_layer(kvcache::ThreadPool& pool, std::size_t threads, const V& view) {
   using T = typename V::value_type;
@@ -129,7 +140,8 @@ void BM_DecodeAttention(benchmark::State& state) {
   auto& f = DecodeFixture<T>::get(context);
   kvcache::ThreadPool pool(threads);
   std::vector<float> q(kQHeads * kHeadDim, 0.1f), out(q.size());
-  const std::size_t bytes = kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(T));
+  const std::size_t bytes = layer_bytes<T>(context);
+  const std::size_t read_bytes = kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(T));
   std::size_t layer = 0;
   double read_seconds = 0, attend_seconds = 0;
   for (auto _ : state) {
@@ -145,15 +157,68 @@ void BM_DecodeAttention(benchmark::State& state) {
     attend_seconds += seconds;
     layer = (layer + 1) % f.layers;
   }
-  const double total = static_cast<double>(bytes) * static_cast<double>(state.iterations());
+  const double iterations = static_cast<double>(state.iterations());
+  const double total = static_cast<double>(bytes) * iterations;
   state.SetBytesProcessed(static_cast<std::int64_t>(total));
-  state.counters["read_GBps"] = total / read_seconds / 1e9;
-  state.counters["ratio"] = read_seconds / attend_seconds;  // same bytes: bandwidth ratio
+  state.counters["read_GBps"] = static_cast<double>(read_bytes) * iterations / read_seconds / 1e9;
+  state.counters["ratio"] = total / attend_seconds / 1e9 / state.counters["read_GBps"];
+  // 4 query heads share each K/V row: 4 FMAs per K or V element read
+  const double elements = 2.0 * kKvHeads * static_cast<double>(context) * kHeadDim;
+  state.counters["GFMAps"] = 4.0 * elements * iterations / attend_seconds / 1e9;
 }
 
 void decode_args(benchmark::internal::Benchmark* b) { add_args(b, {1024, 4096, 16384, 32768}); }
 BENCHMARK(BM_DecodeAttention<float>)->Apply(decode_args)->UseManualTime();
 BENCHMARK(BM_DecodeAttention<kvcache::half>)->Apply(decode_args)->UseManualTime();
+BENCHMARK(BM_DecodeAttention<kvcache::qint8>)->Apply(decode_args)->UseManualTime();
+BENCHMARK(BM_DecodeAttention<kvcache::fp8_e4m3>)->Apply(decode_args)->UseManualTime();
+
+#if KVCACHE_X86_DISPATCH
+// FMA-peak baseline: 24 independent chains of vector FMAs per thread (enough to cover the latency
+// on two FMA pipes); each returns the fp32 FMAs (lanes) it did. One function per vector width:
+// the intrinsics need their target on the function that calls them.
+__attribute__((target("avx2,fma"))) double fma_peak_256(std::size_t rounds) {
+  const __m256 step = _mm256_set1_ps(0.999999f), seed = _mm256_set1_ps(1.0f);
+  __m256 acc[24];
+  for (auto& a : acc) a = seed;
+  for (std::size_t i = 0; i < rounds; ++i) {
+#pragma GCC unroll 24
+    for (auto& a : acc) a = _mm256_fmadd_ps(a, step, seed);
+  }
+  for (std::size_t i = 1; i < 24; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+  benchmark::DoNotOptimize(acc[0]);
+  return static_cast<double>(rounds) * 24 * 8;
+}
+__attribute__((target("avx512f"))) double fma_peak_512(std::size_t rounds) {
+  const __m512 step = _mm512_set1_ps(0.999999f), seed = _mm512_set1_ps(1.0f);
+  __m512 acc[24];
+  for (auto& a : acc) a = seed;
+  for (std::size_t i = 0; i < rounds; ++i) {
+#pragma GCC unroll 24
+    for (auto& a : acc) a = _mm512_fmadd_ps(a, step, seed);
+  }
+  for (std::size_t i = 1; i < 24; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+  benchmark::DoNotOptimize(acc[0]);
+  return static_cast<double>(rounds) * 24 * 16;
+}
+
+void BM_FmaPeak(benchmark::State& state) {
+  const auto threads = static_cast<std::size_t>(state.range(1));
+  const bool wide = state.range(2) == 512;
+  kvcache::ThreadPool pool(threads);
+  double fmas = 0;
+  for (auto _ : state) {
+    double done[64] = {};
+    pool.parallel_for(threads, [&](std::size_t t) {
+      done[t] = wide ? fma_peak_512(1u << 20) : fma_peak_256(1u << 20);
+    });
+    for (std::size_t t = 0; t < threads; ++t) fmas += done[t];
+  }
+  state.counters["GFMAps"] = benchmark::Counter(fmas / 1e9, benchmark::Counter::kIsRate);
+}
+void fma_args(benchmark::internal::Benchmark* b) { add_args(b, {0}); }
+BENCHMARK(BM_FmaPeak)->Apply(fma_args)->UseRealTime();
+#endif
 
 // The kernel's ceiling: the same decode over one 4 MiB layer of half K/V (1024 tokens), attended
 // again and again so that it stays in the last-level cache. Where this rate is close to the DRAM
@@ -171,9 +236,8 @@ void BM_DecodeInCache(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(
-      kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(kvcache::half)) *
-      static_cast<std::size_t>(state.iterations())));
+  state.SetBytesProcessed(static_cast<std::int64_t>(layer_bytes<kvcache::half>(context) *
+                                                    static_cast<std::size_t>(state.iterations())));
 }
 void in_cache_args(benchmark::internal::Benchmark* b) { add_args(b, {1024}); }
 BENCHMARK(BM_DecodeInCache)->Apply(in_cache_args)->UseRealTime();
@@ -219,20 +283,35 @@ int main(int argc, char** argv) {
     std::printf(
         "decode attention bandwidth / memory-read bandwidth (same threads, the same bytes "
         "read alternately in one run)\n");
-    std::printf("%-8s %8s %8s %7s %12s %12s %7s\n", "dtype", "context", "threads", "kernel",
-                "attn GB/s", "read GB/s", "ratio");
-    for (const char* dtype : {"float", "kvcache::half"}) {
+    std::printf(
+        "(speed: the half decode's time over this one's, same context, threads and kernel; "
+        "FMA: the decode's fp32 FMA rate over the FMA peak measured in this run)\n");
+    std::printf("%-6s %8s %8s %7s %11s %11s %7s %7s %10s %7s\n", "format", "context", "threads",
+                "kernel", "attn GB/s", "read GB/s", "ratio", "speed", "GFMA/s", "FMA");
+    const std::pair<const char*, const char*> formats[] = {{"float", "float"},
+                                                           {"half", "kvcache::half"},
+                                                           {"int8", "kvcache::qint8"},
+                                                           {"fp8", "kvcache::fp8_e4m3"}};
+    for (const auto& [label, type] : formats) {
       for (int ctx : {1024, 4096, 16384, 32768}) {
         for (int t : {1, 2}) {
           for (int simd : {256, 512}) {
-            const std::string name =
-                std::string("BM_DecodeAttention<") + dtype + ">/context:" + std::to_string(ctx) +
-                "/threads:" + std::to_string(t) + "/simd:" + std::to_string(simd) + "/manual_time";
+            const std::string tail = ">/context:" + std::to_string(ctx) +
+                                     "/threads:" + std::to_string(t) +
+                                     "/simd:" + std::to_string(simd) + "/manual_time";
+            const std::string name = std::string("BM_DecodeAttention<") + type + tail;
             const double attn = r.figure(name, "bytes_per_second");
             if (attn == 0) continue;
-            std::printf("%-8s %8d %8d %7s %12.2f %12.2f %7.3f\n",
-                        dtype[0] == 'f' ? "float" : "half", ctx, t, kernel_name(simd), attn / 1e9,
-                        r.figure(name, "read_GBps"), r.figure(name, "ratio"));
+            const double half_time =
+                r.figure("BM_DecodeAttention<kvcache::half" + tail, "real_time_ns");
+            const double peak = r.figure("BM_FmaPeak/context:0/threads:" + std::to_string(t) +
+                                             "/simd:" + std::to_string(simd) + "/real_time",
+                                         "GFMAps");
+            const double gfma = r.figure(name, "GFMAps");
+            std::printf("%-6s %8d %8d %7s %11.2f %11.2f %7.3f %7.3f %10.1f %7.3f\n", label, ctx, t,
+                        kernel_name(simd), attn / 1e9, r.figure(name, "read_GBps"),
+                        r.figure(name, "ratio"), half_time / r.figure(name, "real_time_ns"), gfma,
+                        peak > 0 ? gfma / peak : 0.0);
           }
         }
       }

@@ -2,7 +2,7 @@
 // Compiled by the add_subdirectory and FetchContent consumers with a strict engine's flags
 // (-Wconversion -Wsign-conversion -Wshadow -Wdouble-promotion -Wold-style-cast ... -Werror),
 // where kvcache's headers are plain -I includes: it instantiates the public templates (every
-// policy and element type, every CPU kernel, snapshots, prefix caching, RoPE, cache-relative
+// policy and storage format, every CPU kernel, snapshots, prefix caching, RoPE, cache-relative
 // positions) so that their bodies are checked too. Never run.
 #include <kvcache/cuda/decode_plan.hpp>
 #include <kvcache/io/snapshot.hpp>
@@ -13,7 +13,7 @@ namespace {
 
 using namespace kvcache;
 
-template <Element T>
+template <KVElement T>
 void policies() {
   constexpr std::size_t d = 16;
   std::vector<float> kv(d), q(d), out(d);
@@ -53,13 +53,15 @@ void policies() {
   context_shift(sliding, 0, 0, 1, rope);
   context_shift(paged, 0, 0, 1, rope);
   context_shift(tracked, 0, 0, 0, rope);
-  const cuda::DecodeSetup setup{.dtype = dtype_of<T>,
-                                .head_dim = 128,
-                                .group = 4,
-                                .blocks_per_sm = 1,
-                                .num_sms = 1,
-                                .kernel = cuda::default_decode_kernel<T>};
-  (void)cuda::decode_workspace_bytes<T>(setup, 1, 8, 2, 128, 4096);
+  if constexpr (Element<T>) {  // the device kernels read f32/f16/bf16 K/V
+    const cuda::DecodeSetup setup{.dtype = dtype_of<T>,
+                                  .head_dim = 128,
+                                  .group = 4,
+                                  .blocks_per_sm = 1,
+                                  .num_sms = 1,
+                                  .kernel = cuda::default_decode_kernel<T>};
+    (void)cuda::decode_workspace_bytes<T>(setup, 1, 8, 2, 128, 4096);
+  }
 }
 
 }  // namespace
@@ -68,4 +70,6 @@ void kvcache_strict_warnings() {
   policies<float>();
   policies<half>();
   policies<bfloat16>();
+  policies<qint8>();
+  policies<fp8_e4m3>();
 }

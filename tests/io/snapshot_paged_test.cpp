@@ -40,7 +40,7 @@ constexpr std::size_t kLayers = 2, kHeads = 2, kDim = 8;
 const SyntheticModel kSynth{kLayers, kHeads, kDim};
 const ModelId kModel = ModelId::from_u64(0x9a6ed5eedull);
 
-template <Element T = float>
+template <KVElement T = float>
 PagedCache<T> make_paged(std::size_t num_blocks, std::size_t block_size, std::size_t max_batch,
                          bool evict = false, std::size_t max_seq_len = 0) {
   return PagedCache<T>({.num_layers = kLayers,
@@ -107,7 +107,7 @@ std::vector<T> first_positions(const std::vector<T>& packed, std::size_t held, s
 }
 
 // Process 1 of the system-prompt flow: prefills `system` into sequence 0 and returns the snapshot.
-template <Element T>
+template <KVElement T>
 std::vector<std::byte> system_prompt_snapshot(const std::vector<token_id>& system,
                                               std::size_t block_size) {
   auto p = make_paged<T>(64, block_size, 1);
@@ -118,7 +118,7 @@ std::vector<std::byte> system_prompt_snapshot(const std::vector<token_id>& syste
 }  // namespace
 
 TEMPLATE_TEST_CASE("a paged cache survives save and load: K/V, lengths, token ids, attention", "",
-                   float, half) {
+                   float, half, qint8, fp8_e4m3) {
   auto rng = kvcache::test::make_rng("snapshot-paged-round-trip");
   auto make = [] { return make_paged<TestType>(40, 4, 4); };
   auto a = make();

@@ -54,7 +54,8 @@ void check_file_round_trip(const Cache& a, const std::function<Cache()>& make, s
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("a static cache survives save and load bit for bit", "", float, half, bfloat16) {
+TEMPLATE_TEST_CASE("a static cache survives save and load bit for bit", "", float, half, bfloat16,
+                   qint8, fp8_e4m3) {
   auto rng = kvcache::test::make_rng("snapshot-static");
   auto make = [] {
     return StaticCache<TestType>(
@@ -66,8 +67,8 @@ TEMPLATE_TEST_CASE("a static cache survives save and load bit for bit", "", floa
   check_file_round_trip<StaticCache<TestType>>(a, make, rng, 8);
 }
 
-TEMPLATE_TEST_CASE("a dynamic cache survives save and load bit for bit", "", float, half,
-                   bfloat16) {
+TEMPLATE_TEST_CASE("a dynamic cache survives save and load bit for bit", "", float, half, bfloat16,
+                   qint8, fp8_e4m3) {
   auto rng = kvcache::test::make_rng("snapshot-dynamic");
   auto make = [] {
     return DynamicCache<TestType>(
@@ -85,7 +86,7 @@ TEMPLATE_TEST_CASE("a dynamic cache survives save and load bit for bit", "", flo
 }
 
 TEMPLATE_TEST_CASE("a sliding window survives save and load: absolute positions, sinks, gap", "",
-                   float, half) {
+                   float, half, qint8, fp8_e4m3) {
   auto rng = kvcache::test::make_rng("snapshot-sliding");
   auto make = [] {
     return SlidingWindowCache<TestType>({.num_layers = 2,

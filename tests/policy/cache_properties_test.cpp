@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Properties every policy and element type must have: attention over a cache filled in any order
+// Properties every policy and storage format must have: attention over a cache filled in any order
 // of chunks, over several turns and several sequences, equals attention recomputed from scratch;
 // crop + re-append equals a fresh fill; reset forgets; every bad argument throws a typed error and
 // changes nothing.
@@ -19,7 +19,7 @@ namespace {
 template <class C>
 struct Policy;
 
-template <Element T>
+template <KVElement T>
 struct Policy<StaticCache<T>> {
   static StaticCache<T> make(std::size_t layers, std::size_t heads, std::size_t dim,
                              std::size_t batch, std::size_t capacity) {
@@ -32,7 +32,7 @@ struct Policy<StaticCache<T>> {
   static constexpr std::size_t kMaxChunk = 1u << 20;
 };
 
-template <Element T>
+template <KVElement T>
 struct Policy<DynamicCache<T>> {
   static DynamicCache<T> make(std::size_t layers, std::size_t heads, std::size_t dim,
                               std::size_t batch, std::size_t capacity) {
@@ -47,7 +47,7 @@ struct Policy<DynamicCache<T>> {
 };
 
 // A window as long as the capacity: nothing is evicted, so full attention must come out.
-template <Element T>
+template <KVElement T>
 struct Policy<SlidingWindowCache<T>> {
   static SlidingWindowCache<T> make(std::size_t layers, std::size_t heads, std::size_t dim,
                                     std::size_t batch, std::size_t capacity) {
@@ -63,7 +63,7 @@ struct Policy<SlidingWindowCache<T>> {
 };
 
 // Enough blocks for every sequence at full capacity, blocks of 16 tokens.
-template <Element T>
+template <KVElement T>
 struct Policy<PagedCache<T>> {
   static PagedCache<T> make(std::size_t layers, std::size_t heads, std::size_t dim,
                             std::size_t batch, std::size_t capacity) {
@@ -82,7 +82,8 @@ template <class T>
 Tolerance unrounded_tolerance() {
   if constexpr (std::same_as<T, float>) return {2e-5, 2e-5};
   if constexpr (std::same_as<T, half>) return {6e-3, 6e-3};
-  return {5e-2, 5e-2};
+  if constexpr (std::same_as<T, fp8_e4m3>) return {0.2, 0.2};
+  return {5e-2, 5e-2};  // bfloat16, int8
 }
 
 }  // namespace
@@ -91,7 +92,9 @@ Tolerance unrounded_tolerance() {
   StaticCache<float>, StaticCache<half>, StaticCache<bfloat16>, DynamicCache<float>,               \
       DynamicCache<half>, DynamicCache<bfloat16>, SlidingWindowCache<float>,                       \
       SlidingWindowCache<half>, SlidingWindowCache<bfloat16>, PagedCache<float>, PagedCache<half>, \
-      PagedCache<bfloat16>
+      PagedCache<bfloat16>, StaticCache<qint8>, StaticCache<fp8_e4m3>, DynamicCache<qint8>,        \
+      DynamicCache<fp8_e4m3>, SlidingWindowCache<qint8>, SlidingWindowCache<fp8_e4m3>,             \
+      PagedCache<qint8>, PagedCache<fp8_e4m3>
 
 TEMPLATE_TEST_CASE(
     "attention over a cache filled in random chunks over several turns equals "
@@ -136,8 +139,8 @@ TEMPLATE_TEST_CASE(
       const auto& kv = data[s][l];
       const position_t first = static_cast<position_t>(len[s] - nq);
       const auto exact = kvcache::test::scratch_attention(
-          q, nq, kHeads * kGroup, kvcache::test::rounded<T>(kv.k), kvcache::test::rounded<T>(kv.v),
-          len[s], kHeads, kDim, first, opts);
+          q, nq, kHeads * kGroup, kvcache::test::rounded<T>(kv.k, kDim),
+          kvcache::test::rounded<T>(kv.v, kDim), len[s], kHeads, kDim, first, opts);
       INFO("turn " << turn << " sequence " << s << " layer " << l << " length " << len[s]);
       // same stored values: fp32 accumulation vs double only
       kvcache::test::require_close(got, exact, Tolerance{2e-5, 2e-5});

@@ -48,18 +48,23 @@ struct Token {
   int moves = 0;
 };
 
-// The element type's unit roundoff, and 1e-6 for float (the rotation's own arithmetic).
-template <Element T>
+// The element type's unit roundoff, and 1e-6 for float (the rotation's own arithmetic); for the
+// quantized formats the largest error of a value relative to its row's largest (int8: half a step
+// of amax / 127, doubled as a rotation can raise a row's largest by sqrt 2; fp8: 2^-4 of the
+// value).
+template <KVElement T>
 double unit() {
   if constexpr (std::same_as<T, half>) return 1.0 / 2048;
   if constexpr (std::same_as<T, bfloat16>) return 1.0 / 256;
+  if constexpr (std::same_as<T, qint8>) return 1.0 / 127;
+  if constexpr (std::same_as<T, fp8_e4m3>) return 1.0 / 16;
   return 1e-6;
 }
 
 template <class Cache>
 struct Policy;
 
-template <Element T>
+template <KVElement T>
 struct Policy<StaticCache<T>> {
   static StaticCache<T> make() {
     return StaticCache<T>({.num_layers = kLayers,
@@ -71,7 +76,7 @@ struct Policy<StaticCache<T>> {
   static constexpr std::size_t kMaxAppend = 7;
 };
 
-template <Element T>
+template <KVElement T>
 struct Policy<DynamicCache<T>> {
   static DynamicCache<T> make() {
     return DynamicCache<T>({.num_layers = kLayers,
@@ -84,7 +89,7 @@ struct Policy<DynamicCache<T>> {
   static constexpr std::size_t kMaxAppend = 7;
 };
 
-template <Element T>
+template <KVElement T>
 struct Policy<SlidingWindowCache<T>> {
   static SlidingWindowCache<T> make() {
     return SlidingWindowCache<T>({.num_layers = kLayers,
@@ -98,7 +103,7 @@ struct Policy<SlidingWindowCache<T>> {
   static constexpr std::size_t kMaxAppend = 5;
 };
 
-template <Element T>
+template <KVElement T>
 struct Policy<PagedCache<T>> {
   static PagedCache<T> make() {
     return PagedCache<T>({.num_layers = kLayers,
@@ -251,9 +256,10 @@ class Harness {
           std::vector<float> want_k(t.k.begin() + static_cast<std::ptrdiff_t>(l * kRow),
                                     t.k.begin() + static_cast<std::ptrdiff_t>((l + 1) * kRow));
           rope_.apply({want_k, 1, kKvHeads, kDim}, pos[i]);
-          const std::vector<float> want_v = kvcache::test::rounded<T>(
-              {t.v.begin() + static_cast<std::ptrdiff_t>(l * kRow),
-               t.v.begin() + static_cast<std::ptrdiff_t>((l + 1) * kRow)});
+          const std::vector<float> want_v =
+              kvcache::test::rounded<T>({t.v.begin() + static_cast<std::ptrdiff_t>(l * kRow),
+                                         t.v.begin() + static_cast<std::ptrdiff_t>((l + 1) * kRow)},
+                                        kDim);
           const auto row = [&](const std::vector<float>& x) {  // gather_view: token-major
             return std::vector<float>(x.begin() + static_cast<std::ptrdiff_t>(i * kRow),
                                       x.begin() + static_cast<std::ptrdiff_t>((i + 1) * kRow));
@@ -361,10 +367,12 @@ void run_model(const char* name, std::size_t seeds, std::size_t steps) {
 TEST_CASE("context_shift on a StaticCache matches the naive model") {
   run_model<StaticCache<float>>("context_shift static f32", 6, 120);
   run_model<StaticCache<half>>("context_shift static f16", 3, 120);
+  run_model<StaticCache<qint8>>("context_shift static int8", 3, 120);
 }
 
 TEST_CASE("context_shift on a DynamicCache matches the naive model") {
   run_model<DynamicCache<bfloat16>>("context_shift dynamic bf16", 6, 120);
+  run_model<DynamicCache<fp8_e4m3>>("context_shift dynamic fp8", 3, 120);
 }
 
 TEST_CASE(
@@ -372,11 +380,13 @@ TEST_CASE(
     "that would keep evicted positions") {
   run_model<SlidingWindowCache<float>>("context_shift sliding f32", 6, 150);
   run_model<SlidingWindowCache<half>>("context_shift sliding f16", 3, 150);
+  run_model<SlidingWindowCache<fp8_e4m3>>("context_shift sliding fp8", 3, 150);
 }
 
 TEST_CASE("context_shift on a PagedCache matches the naive model, ids and forks included") {
   run_model<PagedCache<float>>("context_shift paged f32", 6, 120);
   run_model<PagedCache<half>>("context_shift paged f16", 3, 120);
+  run_model<PagedCache<qint8>>("context_shift paged int8", 3, 120);
 }
 
 TEST_CASE("context_shift on a TokenTrackedCache shifts its committed ids") {

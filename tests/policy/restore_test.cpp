@@ -66,7 +66,8 @@ void check_round_trip(Cache& a, Cache& b, std::mt19937_64& rng, std::size_t max_
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("restore reproduces a static cache exactly", "", float, half, bfloat16) {
+TEMPLATE_TEST_CASE("restore reproduces a static cache exactly", "", float, half, bfloat16, qint8,
+                   fp8_e4m3) {
   auto rng = kvcache::test::make_rng("restore-static");
   const StaticCacheConfig cfg{
       .num_layers = 3, .num_kv_heads = 2, .head_dim = 8, .max_batch = 3, .max_seq_len = 64};
@@ -75,7 +76,7 @@ TEMPLATE_TEST_CASE("restore reproduces a static cache exactly", "", float, half,
 }
 
 TEMPLATE_TEST_CASE("restore reproduces a dynamic cache exactly, chunks and memory included", "",
-                   float, half, bfloat16) {
+                   float, half, bfloat16, qint8, fp8_e4m3) {
   auto rng = kvcache::test::make_rng("restore-dynamic");
   const DynamicCacheConfig cfg{
       .num_layers = 2, .num_kv_heads = 3, .head_dim = 4, .max_batch = 3, .chunk_len = 5};
@@ -134,8 +135,8 @@ TEST_CASE("a dynamic cache's restore reuses the chunks it replaces and its spare
   require_same_contents(a, d);
 }
 
-TEMPLATE_TEST_CASE("restore reproduces a sliding window: ring, sinks, evicted gap", "", float,
-                   half) {
+TEMPLATE_TEST_CASE("restore reproduces a sliding window: ring, sinks, evicted gap", "", float, half,
+                   qint8, fp8_e4m3) {
   auto rng = kvcache::test::make_rng("restore-sliding");
   for (std::size_t sinks : {0, 1, 4}) {
     for (std::size_t max_append : {1, 5}) {

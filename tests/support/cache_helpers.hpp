@@ -40,6 +40,20 @@ std::vector<float> rounded(const std::vector<float>& x) {
   return out;
 }
 
+/// What a cache of format T stores for float rows of `dim` values: each row rounded, or quantized
+/// with its own scale, and read back.
+template <KVElement T>
+std::vector<float> rounded(const std::vector<float>& x, std::size_t dim) {
+  std::vector<float> out(x.size());
+  std::vector<T> codes(dim);
+  for (std::size_t r = 0; r < x.size() / dim; ++r) {
+    scale_type scale;
+    quantize_row(x.data() + r * dim, dim, codes.data(), &scale);
+    dequantize_row(codes.data(), &scale, dim, out.data() + r * dim);
+  }
+  return out;
+}
+
 /// Appends tokens [first, first + n) of `kv` to `layer` of `seq`, in chunks of the given sizes
 /// (cycled), each chunk no longer than `max_chunk`.
 template <class Cache>

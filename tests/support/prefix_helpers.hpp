@@ -83,15 +83,16 @@ struct SyntheticModel {
   }
 
   /// Attention of the last nq positions of `ids` (queries q) over K/V of all of ids, recomputed
-  /// from scratch with the values rounded to T, as a cache of T stores them.
-  template <Element T>
+  /// from scratch with the values rounded (or quantized) to T, as a cache of T stores them.
+  template <KVElement T>
   [[nodiscard]] std::vector<float> reference(std::size_t layer, std::span<const token_id> ids,
                                              const std::vector<float>& q, std::size_t nq,
                                              std::size_t q_heads,
                                              const AttentionOptions& opts = {}) const {
     const TokenKV all = kv(layer, ids, 0, ids.size());
-    return scratch_attention(q, nq, q_heads, rounded<T>(all.k), rounded<T>(all.v), ids.size(),
-                             heads, dim, static_cast<position_t>(ids.size() - nq), opts);
+    return scratch_attention(q, nq, q_heads, rounded<T>(all.k, dim), rounded<T>(all.v, dim),
+                             ids.size(), heads, dim, static_cast<position_t>(ids.size() - nq),
+                             opts);
   }
 
   /// REQUIREs that attention over every layer of `seq` (its last nq positions as queries) equals

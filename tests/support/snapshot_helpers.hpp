@@ -19,15 +19,29 @@
 
 namespace kvcache::test {
 
-/// A (layer, seq) as its view reports it: state plus K and V packed [heads][held][dim].
-template <Element T>
+/// A (layer, seq) as its view reports it: state plus K and V packed [heads][held][dim], and for
+/// a quantized format the rows' scales packed [heads][held].
+template <KVElement T>
 struct PackedLayer {
   std::size_t layer = 0, seq = 0;
   position_t length = 0, sink_end = 0, recent_begin = 0;
   std::vector<T> k, v;
+  std::vector<scale_type> k_scale, v_scale;
 
   [[nodiscard]] LayerRestore<T> entry() const {
-    return {layer, seq, length, sink_end, recent_begin, k, v};
+    LayerRestore<T> e;
+    e.layer = layer;
+    e.seq = seq;
+    e.length = length;
+    e.sink_end = sink_end;
+    e.recent_begin = recent_begin;
+    e.k = k;
+    e.v = v;
+    if constexpr (scaled_v<T>) {
+      e.k_scale = k_scale;
+      e.v_scale = v_scale;
+    }
+    return e;
   }
 };
 
@@ -36,13 +50,25 @@ PackedLayer<typename Cache::value_type> pack_layer(const Cache& cache, std::size
                                                    std::size_t seq) {
   using T = typename Cache::value_type;
   const auto view = cache.view(layer, seq);
-  PackedLayer<T> out{layer, seq, view.length(), view.sink_end(), view.recent_begin(), {}, {}};
-  for (std::vector<T>* dst : {&out.k, &out.v}) {
+  PackedLayer<T> out;
+  out.layer = layer;
+  out.seq = seq;
+  out.length = view.length();
+  out.sink_end = view.sink_end();
+  out.recent_begin = view.recent_begin();
+  for (const bool values : {false, true}) {
     for (std::size_t h = 0; h < view.num_kv_heads(); ++h) {
       for (std::size_t i = 0; i < view.num_segments(); ++i) {
         const auto seg = view.segment(i);
-        const T* rows = (dst == &out.k ? seg.k : seg.v) + h * seg.head_stride;
-        dst->insert(dst->end(), rows, rows + seg.len * view.head_dim());
+        const T* rows = (values ? seg.v : seg.k) + h * seg.head_stride;
+        std::vector<T>& dst = values ? out.v : out.k;
+        dst.insert(dst.end(), rows, rows + seg.len * view.head_dim());
+        if constexpr (scaled_v<T>) {
+          const scale_type* scales =
+              (values ? seg.v_scale : seg.k_scale) + h * seg.head_stride / view.head_dim();
+          std::vector<scale_type>& sdst = values ? out.v_scale : out.k_scale;
+          sdst.insert(sdst.end(), scales, scales + seg.len);
+        }
       }
     }
   }
@@ -73,6 +99,8 @@ void require_same_contents(const A& a, const B& b) {
       REQUIRE(pa.recent_begin == pb.recent_begin);
       REQUIRE(pa.k == pb.k);
       REQUIRE(pa.v == pb.v);
+      REQUIRE(pa.k_scale == pb.k_scale);
+      REQUIRE(pa.v_scale == pb.v_scale);
     }
   }
 }

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // The fast CPU attention kernel: one pass over the cached K/V with an online (flash-attention)
-// softmax, tiles of kTile keys, all query heads of one KV head sharing every K/V row read, fp16 and
-// bf16 read directly. Work is split into (sequence, KV head, block of query rows) items that the
-// caller's executor (AttentionOptions::pool) may run in parallel. Over views of short segments
-// (paged blocks) one item sweeps several KV heads in lockstep, so that each block is read whole.
-// The sweeps see every view through ErasedView, and queries and output of any element type as
-// untyped rows: they are compiled once per K/V element type and kernel.
+// softmax, tiles of kTile keys, all query heads of one KV head sharing every K/V row read, fp16,
+// bf16, int8 and fp8 read directly (a quantized row's scale multiplies its scores and weights).
+// Work is split into (sequence, KV head, block of query rows) items that the caller's executor
+// (AttentionOptions::pool) may run in parallel. Over views of short segments (paged blocks) one
+// item sweeps several KV heads in lockstep, so that each block is read whole. The sweeps see every
+// view through ErasedView, and queries and output of any element type as untyped rows: they are
+// compiled once per K/V element type and kernel.
 #pragma once
 
 #include <algorithm>
@@ -55,7 +56,7 @@ enum class Kernel {
 namespace detail {
 
 /// Plain C++ micro-kernels (any head_dim, any CPU).
-template <Element T>
+template <KVElement T>
 struct PortableOps {
   // Prefetching (ahead, num_ahead) is left to the hardware.
   static void qk(const float* q, std::size_t rows, const T* const* k, std::size_t nk, std::size_t d,
@@ -66,10 +67,12 @@ struct PortableOps {
         float lanes[8] = {};
         std::size_t x = 0;
         for (; x + 8 <= d; x += 8) {
-          for (std::size_t l = 0; l < 8; ++l) lanes[l] += q[r * d + x + l] * to_float(k[j][x + l]);
+          for (std::size_t l = 0; l < 8; ++l) {
+            lanes[l] += q[r * d + x + l] * code_value(k[j][x + l]);
+          }
         }
         float acc = 0.0f;
-        for (; x < d; ++x) acc += q[r * d + x] * to_float(k[j][x]);
+        for (; x < d; ++x) acc += q[r * d + x] * code_value(k[j][x]);
         for (float l : lanes) acc += l;
         s[r * stride + j] = acc;
       }
@@ -83,7 +86,7 @@ struct PortableOps {
     for (std::size_t j = 0; j < nk; ++j) {
       for (std::size_t r = 0; r < rows; ++r) {
         const float pr = p[r * stride + j];
-        for (std::size_t x = 0; x < d; ++x) acc[r * d + x] += pr * to_float(v[j][x]);
+        for (std::size_t x = 0; x < d; ++x) acc[r * d + x] += pr * code_value(v[j][x]);
       }
     }
   }
@@ -136,6 +139,8 @@ inline void load_row(const void* in, DType type, float* out, std::size_t n) noex
       convert_to_float(std::span(static_cast<const bfloat16*>(in), n), out);
       return;
     case DType::f32:
+    case DType::i8:  // not a query or output type
+    case DType::e4m3:
       break;
   }
   convert_to_float(std::span(static_cast<const float*>(in), n), out);
@@ -152,6 +157,8 @@ inline void store_row(const float* in, DType type, void* out, std::size_t n) noe
       convert_from_float(std::span(in, n), static_cast<bfloat16*>(out));
       return;
     case DType::f32:
+    case DType::i8:  // not a query or output type
+    case DType::e4m3:
       break;
   }
   convert_from_float(std::span(in, n), static_cast<float*>(out));
@@ -205,13 +212,16 @@ struct VisibleRange {
   }
 };
 
-/// A run of keys consecutive in one segment: the K and V rows of one KV head, [n][head_dim] each.
-template <Element T>
+/// A run of keys consecutive in one segment: the K and V rows of one KV head, [n][head_dim] each,
+/// and for a quantized format their n scales each.
+template <KVElement T>
 struct KeyRun {
   const T* k = nullptr;
   const T* v = nullptr;
   position_t first = 0;
   std::size_t n = 0;
+  const scale_type* k_scale = nullptr;
+  const scale_type* v_scale = nullptr;
 };
 
 /// Segments a KeyWalker fetches from its view at a time.
@@ -221,7 +231,7 @@ inline constexpr std::size_t kSegmentBatch = 8;
 /// time: the sweeps below are compiled once per element type and kernel, however many view types
 /// a program attends over. One indirect call per kSegmentBatch segments (per 128 keys of a paged
 /// view of 16-token blocks) costs nothing next to their K/V reads. Valid while the wrapped view is.
-template <Element T>
+template <KVElement T>
 class ErasedView {
  public:
   using value_type = T;
@@ -280,7 +290,7 @@ class ErasedView {
 /// boundaries, handing them out in runs. Tiles and prefetches follow the keys rather than the
 /// segments, so views of many short segments (paged blocks) cost no more per key than one long
 /// segment does.
-template <Element T>
+template <KVElement T>
 class KeyWalker {
  public:
   KeyWalker(const ErasedView<T>& view, std::size_t kv_head, const VisibleRange& visible) noexcept
@@ -302,7 +312,13 @@ class KeyWalker {
     const std::size_t keys = std::min(n, static_cast<std::size_t>(end_ - pos_));
     const std::size_t offset =
         s.head_stride * kv_head_ + static_cast<std::size_t>(pos_ - s.first_pos) * view_.head_dim();
-    const KeyRun<T> run{s.k + offset, s.v + offset, pos_, keys};
+    KeyRun<T> run{s.k + offset, s.v + offset, pos_, keys};
+    if constexpr (scaled_v<T>) {
+      const std::size_t row = s.head_stride / view_.head_dim() * kv_head_ +
+                              static_cast<std::size_t>(pos_ - s.first_pos);
+      run.k_scale = s.k_scale + row;
+      run.v_scale = s.v_scale + row;
+    }
     pos_ += static_cast<position_t>(keys);
     if (pos_ == end_) settle(pos_);
     return run;
@@ -355,25 +371,50 @@ class KeyWalker {
 static_assert(kTile <= 32, "Sweep keeps a tile's visible slots in a 32-bit mask");
 
 /// kMaxHeadDim zero elements: the V row that slots no query row of a tile sees read.
-template <Element T>
+template <KVElement T>
 [[nodiscard]] const T* zero_row() noexcept {
   alignas(64) static const T zeros[kMaxHeadDim] = {};
   return zeros;
 }
 
 /// True when every element of row[0, d) is finite.
-template <Element T>
+template <KVElement T>
 [[nodiscard]] bool finite_row(const T* row, std::size_t d) noexcept {
   bool finite = true;
-  for (std::size_t x = 0; x < d; ++x) finite = finite && std::isfinite(to_float(row[x]));
+  for (std::size_t x = 0; x < d; ++x) finite = finite && std::isfinite(code_value(row[x]));
   return finite;
 }
+
+/// The scales of a tile's K and V rows (quantized formats), times kCodeUnit, by slot; empty for
+/// the other formats.
+template <KVElement T>
+struct TileScales {
+  void set(std::size_t, const KeyRun<T>&) noexcept {}
+  void clear(std::size_t, std::size_t) noexcept {}
+};
+template <QuantizedElement T>
+struct TileScales<T> {
+  float k[kTile];
+  float v[kTile];
+  /// Slots [at, at + run.n) take the run's rows' scales.
+  void set(std::size_t at, const KeyRun<T>& run) noexcept {
+    for (std::size_t j = 0; j < run.n; ++j) {
+      k[at + j] = static_cast<float>(run.k_scale[j]) * kCodeUnit<T>;
+      v[at + j] = static_cast<float>(run.v_scale[j]) * kCodeUnit<T>;
+    }
+  }
+  /// Slots [from, to) hold no key (holes): scale 0.
+  void clear(std::size_t from, std::size_t to) noexcept {
+    std::fill(k + from, k + to, 0.0f);
+    std::fill(v + from, v + to, 0.0f);
+  }
+};
 
 /// One online-softmax sweep: up to kRowBlock query rows, all mapped to KV head `kv_head`, over
 /// the view's visible keys, one tile of kTile keys per step(). The caller owns the scaled queries
 /// and the output accumulators ([num_rows][head_dim] floats each), so that the sweeps of several
 /// KV heads can share one stack frame and run in lockstep (attend_heads).
-template <class Ops, Element T>
+template <class Ops, KVElement T>
 class Sweep {
  public:
   /// Each step prefetches the keys of KV head `ahead_head`, `lead_tiles` tiles after the step's
@@ -418,6 +459,7 @@ class Sweep {
     Prefetch fetch[kTile];
     const T* krows[kTile];  // the tile's K and V rows, wherever their segments put them
     const T* vrows[kTile];
+    TileScales<T> scales;  // quantized formats: the rows' scales
     const std::size_t d = d_;
     std::size_t num_runs = 0, nk = 0;
     bool holes = false;
@@ -441,6 +483,8 @@ class Sweep {
         krows[at + j] = run.k + j * d;
         vrows[at + j] = run.v + j * d;
       }
+      scales.clear(nk, at);
+      scales.set(at, run);
       holes = holes || at != nk;
       runs[num_runs++] = run;
       nk = at + run.n;
@@ -463,7 +507,12 @@ class Sweep {
       // The first row block fetches the rows ahead; later ones find them already coming.
       const std::size_t num_fetch = r0 == 0 ? num_runs : 0;
       Ops::qk(qs_ + r0 * d, sub, krows, nk, d, s_, kTile, fetch, num_fetch);
-      if (mask_.rope != nullptr && cell < mask_.sinks) score_sinks(r0, sub, cover, krows, nk, cell);
+      if constexpr (scaled_v<T>) {  // a row's dot products with its codes, times its scale
+        for (std::size_t r = 0; r < sub; ++r) scale_slots(s_ + r * kTile, scales.k, nk, all_slots);
+      }
+      if (mask_.rope != nullptr && cell < mask_.sinks) {
+        score_sinks(r0, sub, cover, krows, nk, cell, scales);
+      }
       std::uint32_t seen[kSubRows];  // bit j: slot j holds a key row r may see
       for (std::size_t r = 0; r < sub; ++r) {
         float* sr = s_ + r * kTile;
@@ -521,6 +570,9 @@ class Sweep {
         }
         m = m_new;
         row_sum_[r0 + r] += Ops::exp_sum(sr, nk, m_new);
+        // Quantized V: each seen slot's weight times its row's scale. Unseen slots keep weight 0,
+        // which a NaN scale (a non-finite row, zero codes) would turn into NaN.
+        if constexpr (scaled_v<T>) scale_slots(sr, scales.v, nk, seen[r]);
       }
       if (!hidden) {
         Ops::pv(s_, kTile, sub, vrows, nk, d, acc_ + r0 * d, fetch, num_fetch);
@@ -567,7 +619,7 @@ class Sweep {
   // turned back by the row's sink_shift. One row at a time, so a row's scores are the same bits
   // whichever rows share its block.
   void score_sinks(std::size_t r0, std::size_t sub, const TileCover* cover, const T* const* krows,
-                   std::size_t nk, position_t cell) noexcept {
+                   std::size_t nk, position_t cell, const TileScales<T>& scales) noexcept {
     alignas(64) float turned[kMaxHeadDim];
     alignas(64) float scores[kTile];
     const auto num_sinks = static_cast<std::size_t>(
@@ -579,6 +631,7 @@ class Sweep {
       std::copy(q, q + d_, turned);
       mask_.rope->turn(turned, 1, -static_cast<double>(shift));
       Ops::qk(turned, 1, krows, num_sinks, d_, scores, kTile, nullptr, 0);
+      if constexpr (scaled_v<T>) scale_slots(scores, scales.k, num_sinks, ~std::uint32_t{0});
       std::copy(scores, scores + num_sinks, s_ + r * kTile);
     }
   }
@@ -612,6 +665,18 @@ class Sweep {
       if (seen[r] == 0) continue;
       for (std::size_t j = 0; j < nk; ++j) v[j] = (seen[r] >> j & 1u) != 0 ? vrows[j] : zero;
       Ops::pv(s_ + r * kTile, kTile, 1, v, nk, d_, acc + r * d_, fetch, r == 0 ? num_fetch : 0);
+    }
+  }
+
+  // x[j] *= scale[j] for the slots j < n whose bit is set in `slots`.
+  static void scale_slots(float* x, const float* scale, std::size_t n,
+                          std::uint32_t slots) noexcept {
+    if (slots == ~std::uint32_t{0} || (n < kTile && slots == (std::uint32_t{1} << n) - 1)) {
+      for (std::size_t j = 0; j < n; ++j) x[j] *= scale[j];
+      return;
+    }
+    for (std::size_t j = 0; j < n; ++j) {
+      if ((slots >> j & 1u) != 0) x[j] *= scale[j];
     }
   }
 
@@ -658,7 +723,7 @@ inline constexpr std::size_t kLockstepSegmentBytes = std::size_t{8} << 10;
 /// arithmetic is the same whatever num_heads is.
 /// @pre num_heads <= kMaxLockstepHeads, rows_per_head <= kRowBlock,
 ///      num_heads * lockstep_stride(rows_per_head, head_dim) <= kLockstepFloats.
-template <class Ops, Element T>
+template <class Ops, KVElement T>
 void attend_heads(const ErasedView<T>& view, std::size_t head0, std::size_t num_heads,
                   const Row* rows, std::size_t rows_per_head, const KVMask& mask, float scale,
                   float softcap) noexcept {
@@ -734,7 +799,7 @@ template <KVView V, Element Q, Element O>
 /// One task as run_item sees it: its view erased (ErasedView) and its queries and output untyped,
 /// with their element types (see Row), so that run_item and the sweeps are compiled once per K/V
 /// element type, not again per view, query or output type. Valid while the task is.
-template <Element T>
+template <KVElement T>
 struct ErasedTask {
   ErasedView<T> view;
   const void* q;  // [num_tokens][num_q_heads][head_dim] elements of q_type
@@ -769,7 +834,7 @@ struct ErasedTask {
 /// Runs work item `item` of task `t` split as `split`: KV heads [item / blocks * heads, + heads),
 /// row block item % blocks, with micro-kernels `kernel` (avx512, avx2 or portable). Rows are
 /// ordered token-major (row = token * group + head-in-group).
-template <Element T>
+template <KVElement T>
 void run_item(Kernel kernel, const ErasedTask<T>& t, const TaskSplit& split, position_t first_pos,
               std::size_t item, const KVMask& mask, float scale, float softcap) noexcept {
   const std::size_t heads = t.view.num_kv_heads();

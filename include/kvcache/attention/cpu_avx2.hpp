@@ -11,6 +11,23 @@
 
 namespace kvcache::cpu::detail {
 
+/// What the micro-kernels read a K/V element as: the element's value, an int8 code's value, and an
+/// fp8 code's value x 2^-8 (the vector loads turn an e4m3 code into the half whose bits are the
+/// code's shifted into place, which is exactly 2^-8 of its value, subnormals included). The sweep
+/// multiplies each row's scale by kCodeUnit<T> to make up for it.
+template <KVElement T>
+inline constexpr float kCodeUnit = std::same_as<T, fp8_e4m3> ? 256.0f : 1.0f;
+
+/// The value the micro-kernels read for element x (see kCodeUnit).
+template <KVElement T>
+[[nodiscard]] constexpr float code_value(T x) noexcept {
+  if constexpr (std::same_as<T, float>) {
+    return x;
+  } else {
+    return static_cast<float>(x) * (1.0f / kCodeUnit<T>);
+  }
+}
+
 /// Memory a micro-kernel should start fetching while it computes: `bytes` from each of k and v
 /// (the K and V rows a few tiles ahead).
 struct Prefetch {
@@ -112,13 +129,25 @@ class FetchLines {
   std::size_t bytes_ = 0;  // left in the current range, from cur_
 };
 
-/// Loads 8 consecutive elements as 8 floats.
-template <Element T>
+/// The 8 halves exactly 2^-8 of 8 fp8 e4m3 codes (sign-extended to 16 bits): each code's
+/// exponent and mantissa shifted under half's, the sign in bit 15 (see kCodeUnit).
+KVCACHE_TARGET_AVX2 inline __m128i e4m3_as_half(__m128i codes16) noexcept {
+  return _mm_and_si128(_mm_slli_epi16(codes16, 7), _mm_set1_epi16(static_cast<short>(0xbfff)));
+}
+
+/// Loads 8 consecutive elements as 8 floats (codes as code_value reads them).
+template <KVElement T>
 KVCACHE_TARGET_AVX2 inline __m256 load8(const T* p) noexcept {
   if constexpr (std::same_as<T, float>) {
     return _mm256_loadu_ps(p);
   } else if constexpr (std::same_as<T, half>) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else if constexpr (std::same_as<T, qint8>) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  } else if constexpr (std::same_as<T, fp8_e4m3>) {
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtph_ps(e4m3_as_half(_mm_cvtepi8_epi16(codes)));
   } else {
     const __m256i wide =
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -164,7 +193,7 @@ KVCACHE_TARGET_AVX2 inline __m128 hsum4x8(const __m256* a) noexcept {
 
 /// s[r * stride + a] = q_r . k[a] for R query rows (each head_dim floats, rows d apart) and J
 /// key rows: R x J accumulators, each q load shared by the J keys.
-template <Element T, std::size_t R, std::size_t J>
+template <KVElement T, std::size_t R, std::size_t J>
 KVCACHE_TARGET_AVX2 inline void qk_block(const float* q, const T* const* k, std::size_t d, float* s,
                                          std::size_t stride) noexcept {
   __m256 acc[J][R];
@@ -211,7 +240,7 @@ KVCACHE_TARGET_AVX2 inline void qk_block(const float* q, const T* const* k, std:
 /// fit in L1 beside the working rows, and L1 prefetches tie up its few miss buffers (Zen 4, half
 /// K/V, 16k-token decode on one thread: 8.4 GB/s with prefetcht0 two tiles ahead, 13 GB/s with
 /// prefetcht1 four tiles ahead; Zen 5 does best with prefetcht1 two tiles ahead, kPrefetchTiles).
-template <Element T, std::size_t R>
+template <KVElement T, std::size_t R>
 KVCACHE_TARGET_AVX2 void qk_rows(const float* q, const T* const* k, std::size_t nk, std::size_t d,
                                  float* s, std::size_t stride, FetchLines ahead) noexcept {
   // Triples, then pairs: a remainder of one key (its 4 accumulators leave the FMA chains idle)
@@ -234,7 +263,7 @@ KVCACHE_TARGET_AVX2 void qk_rows(const float* q, const T* const* k, std::size_t 
 /// whole tile. The V side of `ahead` is prefetched into L2 one line per value row visited: issued
 /// in bursts beside K in qk_rows, a tile's worth of prefetches stalls on the miss buffers (float
 /// K/V, 16k tokens, one thread: 8.4 GB/s that way, ~20 GB/s spread over this loop).
-template <Element T, std::size_t R>
+template <KVElement T, std::size_t R>
 KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* const* v,
                                  std::size_t nk, std::size_t d, float* acc,
                                  FetchLines ahead) noexcept {
@@ -281,7 +310,7 @@ KVCACHE_TARGET_AVX2 void pv_rows(const float* p, std::size_t stride, const T* co
 }
 
 /// The AVX2 operation set of the tile loop (see cpu.hpp). @pre head_dim % 8 == 0.
-template <Element T>
+template <KVElement T>
 struct Avx2Ops {
   KVCACHE_TARGET_AVX2 static void qk(const float* q, std::size_t rows, const T* const* k,
                                      std::size_t nk, std::size_t d, float* s, std::size_t stride,

@@ -46,13 +46,21 @@ namespace kvcache::cpu::detail {
   return supported;
 }
 
-/// Loads 16 consecutive elements as 16 floats.
-template <Element T>
+/// Loads 16 consecutive elements as 16 floats (codes as code_value reads them).
+template <KVElement T>
 KVCACHE_TARGET_AVX512 inline __m512 load16(const T* p) noexcept {
   if constexpr (std::same_as<T, float>) {
     return _mm512_loadu_ps(p);
   } else if constexpr (std::same_as<T, half>) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else if constexpr (std::same_as<T, qint8>) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else if constexpr (std::same_as<T, fp8_e4m3>) {
+    const __m256i codes =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(codes, 7),
+                                            _mm256_set1_epi16(static_cast<short>(0xbfff))));
   } else {
     const __m512i wide =
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -121,7 +129,7 @@ KVCACHE_TARGET_AVX512 inline __mmask16 first_lanes(std::size_t n) noexcept {
 }
 
 /// s[r * stride + a] = q_r . k[a] for R query rows and J key rows (as qk_block, 16 lanes).
-template <Element T, std::size_t R, std::size_t J>
+template <KVElement T, std::size_t R, std::size_t J>
 KVCACHE_TARGET_AVX512 inline void qk_block16(const float* q, const T* const* k, std::size_t d,
                                              float* s, std::size_t stride) noexcept {
   __m512 acc[J][R];
@@ -160,7 +168,7 @@ KVCACHE_TARGET_AVX512 inline void qk_block16(const float* q, const T* const* k, 
 
 /// qk_rows at 16 lanes: four keys a block (16 accumulators for 4 rows, half the register file),
 /// then the remainder as one block; K prefetched into L2 over the blocks.
-template <Element T, std::size_t R>
+template <KVElement T, std::size_t R>
 KVCACHE_TARGET_AVX512 void qk_rows16(const float* q, const T* const* k, std::size_t nk,
                                      std::size_t d, float* s, std::size_t stride,
                                      FetchLines ahead) noexcept {
@@ -187,7 +195,7 @@ KVCACHE_TARGET_AVX512 void qk_rows16(const float* q, const T* const* k, std::siz
 /// acc_r[x0, x0 + 16C) += sum_j p[r * stride + j] * v[j][x0, x0 + 16C) for R rows: R x C
 /// accumulators held across the whole tile. The V side of `ahead` is prefetched one line per value
 /// row visited, as in pv_rows.
-template <Element T, std::size_t R, std::size_t C>
+template <KVElement T, std::size_t R, std::size_t C>
 KVCACHE_TARGET_AVX512 inline void pv_columns16(const float* p, std::size_t stride,
                                                const T* const* v, std::size_t nk, std::size_t d,
                                                std::size_t x0, float* acc,
@@ -218,7 +226,7 @@ KVCACHE_TARGET_AVX512 inline void pv_columns16(const float* p, std::size_t strid
 }
 
 /// pv_rows at 16 lanes: 64 columns a pass, then the last 16, 32 or 48.
-template <Element T, std::size_t R>
+template <KVElement T, std::size_t R>
 KVCACHE_TARGET_AVX512 void pv_rows16(const float* p, std::size_t stride, const T* const* v,
                                      std::size_t nk, std::size_t d, float* acc,
                                      FetchLines ahead) noexcept {
@@ -241,7 +249,7 @@ KVCACHE_TARGET_AVX512 void pv_rows16(const float* p, std::size_t stride, const T
 }
 
 /// The AVX-512 operation set of the tile loop (see cpu.hpp). @pre head_dim % 16 == 0.
-template <Element T>
+template <KVElement T>
 struct Avx512Ops {
   KVCACHE_TARGET_AVX512 static void qk(const float* q, std::size_t rows, const T* const* k,
                                        std::size_t nk, std::size_t d, float* s, std::size_t stride,

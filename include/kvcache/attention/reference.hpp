@@ -11,6 +11,7 @@
 
 #include "kvcache/attention/options.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/format.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -110,7 +111,8 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
 }
 
 /// Copies a view's slots into dense float arrays [num_tokens][num_kv_heads][head_dim] with
-/// their positions, walking the segments in order. Allocates; for tests and the reference.
+/// their positions, walking the segments in order (quantized rows as code x scale). Allocates; for
+/// tests and the reference.
 template <KVView V>
 void gather_view(const V& view, std::vector<float>& k, std::vector<float>& v,
                  std::vector<position_t>& pos) {
@@ -125,10 +127,11 @@ void gather_view(const V& view, std::vector<float>& k, std::vector<float>& v,
     for (std::size_t j = 0; j < seg.len && slot < n; ++j, ++slot) {
       pos[slot] = seg.first_pos + static_cast<position_t>(j);
       for (std::size_t h = 0; h < heads; ++h) {
-        for (std::size_t x = 0; x < d; ++x) {
-          k[(slot * heads + h) * d + x] = to_float(seg.k[h * seg.head_stride + j * d + x]);
-          v[(slot * heads + h) * d + x] = to_float(seg.v[h * seg.head_stride + j * d + x]);
-        }
+        const std::size_t at = h * seg.head_stride + j * d, row = at / d;
+        dequantize_row(seg.k + at, seg.k_scale != nullptr ? seg.k_scale + row : nullptr, d,
+                       k.data() + (slot * heads + h) * d);
+        dequantize_row(seg.v + at, seg.v_scale != nullptr ? seg.v_scale + row : nullptr, d,
+                       v.data() + (slot * heads + h) * d);
       }
     }
   }

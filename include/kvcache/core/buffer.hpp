@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // AlignedBuffer: the RAII owner of every K/V storage array, aligned to kStorageAlignment (64 B),
-// large ones to 2 MiB and advised to the kernel as transparent-huge-page candidates.
+// large ones to 2 MiB and advised to the kernel as transparent-huge-page candidates. RowBuffer:
+// K/V rows of one storage format, with their scales when the format has them.
 #pragma once
 
 #include <cstddef>
@@ -10,6 +11,7 @@
 #include <utility>
 
 #include "kvcache/core/config.hpp"
+#include "kvcache/core/format.hpp"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -82,6 +84,42 @@ class AlignedBuffer {
   };
   std::unique_ptr<T, Deleter> ptr_;
   std::size_t size_ = 0;
+};
+
+/// Storage for `rows` K/V rows of head_dim elements of format T, plus, for a quantized format
+/// (int8, fp8), one scale per row in a second buffer laid out as the rows: the scale of the row at
+/// element offset o is scales()[o / head_dim] (KVLayout's k_scale convention).
+template <KVElement T>
+class RowBuffer {
+ public:
+  RowBuffer() noexcept = default;
+  /// @throws capacity_error if rows * head_dim overflows, std::bad_alloc. @pre head_dim >= 1.
+  RowBuffer(std::size_t rows, std::size_t head_dim)
+      : codes_(detail::checked_mul(rows, head_dim, "RowBuffer")),
+        scales_(scaled_v<T> ? rows : 0),
+        head_dim_(head_dim) {}
+
+  [[nodiscard]] T* data() noexcept { return codes_.data(); }
+  [[nodiscard]] const T* data() const noexcept { return codes_.data(); }
+  /// The first row's scale; null for f32/f16/bf16.
+  [[nodiscard]] scale_type* scales() noexcept { return scaled_v<T> ? scales_.data() : nullptr; }
+  [[nodiscard]] const scale_type* scales() const noexcept {
+    return scaled_v<T> ? scales_.data() : nullptr;
+  }
+  /// The scale of the row at element offset `offset` (a multiple of head_dim) and those after
+  /// it; null for f32/f16/bf16.
+  [[nodiscard]] scale_type* scale_at(std::size_t offset) noexcept {
+    return scaled_v<T> ? scales_.data() + offset / head_dim_ : nullptr;
+  }
+  /// Elements (codes) held, rows x head_dim.
+  [[nodiscard]] std::size_t size() const noexcept { return codes_.size(); }
+  /// Bytes of rows and scales.
+  [[nodiscard]] std::size_t bytes() const noexcept { return codes_.bytes() + scales_.bytes(); }
+
+ private:
+  AlignedBuffer<T> codes_;
+  AlignedBuffer<scale_type> scales_;
+  std::size_t head_dim_ = 1;
 };
 
 }  // namespace kvcache

@@ -16,11 +16,15 @@ namespace kvcache {
 /// A KV cache policy.
 ///
 /// Requirements (for `C c`, `const C cc`, `std::size_t layer, seq, n`, and K/V blocks `k`, `v`
-/// of type TokenBlock<const C::value_type> or TokenBlock<const float>):
+/// of type TokenBlock<const float>, or TokenBlock<const C::value_type> unless value_type is a
+/// quantized format):
 ///  1. `C::value_type` is the stored element type; `C::view_type` models KVView over it.
 ///  2. `c.append(layer, seq, k, v)`: stores n = k.num_tokens >= 1 new tokens of one layer of one
 ///     sequence, k and v shaped [n][num_kv_heads][head_dim]. float input is rounded to
-///     value_type (nearest even), value_type input is copied. The tokens take the positions
+///     value_type (nearest even), value_type input is copied; a quantized format (qint8,
+///     fp8_e4m3) takes float input only and quantizes each row with its own scale
+///     (core/format.hpp quantize_row: a row holding inf or NaN reads back as NaN). The tokens take
+///     the positions
 ///     layer_length(layer, seq), ..., + n - 1. Values are stored as the IEEE conversion gives
 ///     them: a float beyond half's or bfloat16's range becomes ±inf, NaN stays NaN; append
 ///     neither saturates nor throws (attention then gives NaN for the rows that see them).
@@ -43,13 +47,15 @@ namespace kvcache {
 /// or see each other's tokens unless a policy documents sharing (the paged prefix cache).
 template <class C>
 concept CacheConcept = requires(C& c, const C& cc, std::size_t layer, std::size_t seq,
-                                std::size_t n, TokenBlock<const typename C::value_type> kv,
-                                TokenBlock<const float> kv_float) {
+                                std::size_t n, TokenBlock<const float> kv_float) {
   typename C::value_type;
   typename C::view_type;
   requires KVView<typename C::view_type>;
   requires std::same_as<typename C::view_type::value_type, typename C::value_type>;
-  { c.append(layer, seq, kv, kv) } -> std::same_as<void>;
+  requires QuantizedElement<typename C::value_type> ||
+      requires(TokenBlock<const typename C::value_type> kv) {
+    { c.append(layer, seq, kv, kv) } -> std::same_as<void>;
+  };
   { c.append(layer, seq, kv_float, kv_float) } -> std::same_as<void>;
   { cc.view(layer, seq) } -> std::same_as<typename C::view_type>;
   { cc.layer_length(layer, seq) } -> std::same_as<std::size_t>;
@@ -116,20 +122,13 @@ inline void check_crop_length(const char* cache, std::size_t seq, std::size_t n,
   }
 }
 
-/// Writes n token rows of one KV head from an append block into [n][head_dim] destination rows,
-/// converting float to T where needed.
-template <Element T, class U>
-void store_rows(T* dst, const TokenBlock<const U>& src, std::size_t first_token, std::size_t n,
-                std::size_t head) noexcept {
-  const std::size_t d = src.head_dim;
-  for (std::size_t t = 0; t < n; ++t) {
-    const U* row = src.row(first_token + t, head);
-    if constexpr (std::same_as<U, T>) {
-      std::copy(row, row + d, dst + t * d);
-    } else {
-      convert_from_float<T>(std::span<const float>(row, d), dst + t * d);
-    }
-  }
+/// Writes n token rows of one KV head from an append block into [n][head_dim] destination rows
+/// in format T (core/format.hpp: copied, rounded, or quantized with one scale per row into
+/// `scales`, which quantized formats need and the others ignore).
+template <KVElement T, class U>
+void store_rows(T* dst, scale_type* scales, const TokenBlock<const U>& src, std::size_t first_token,
+                std::size_t n, std::size_t head) noexcept {
+  detail::write_rows(dst, scales, src.row(first_token, head), src.token_elems(), n, src.head_dim);
 }
 
 }  // namespace detail

@@ -104,11 +104,14 @@ inline void require_int(std::size_t value, const char* cache, const char* field)
   return n;
 }
 
-/// kv_cache_bytes() for a CacheShape (its dtype gives dtype_bytes).
+/// kv_cache_bytes() for a CacheShape: 2 x layers x kv_heads x seq_len x batch rows of
+/// row_bytes(dtype, head_dim) each, that is head_dim x dtype_bytes, plus a 2-byte scale per row for
+/// the quantized formats (int8, fp8). Llama-3-8B's shape at 4096 tokens in int8: 2 x 32 x 8 x 4096
+/// x (128 + 2) = 272,629,760 bytes, 0.508 of fp16's.
 [[nodiscard]] constexpr std::size_t kv_cache_bytes(const CacheShape& shape, std::size_t seq_len,
                                                    std::size_t batch = 1) {
-  return kv_cache_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, seq_len,
-                        dtype_bytes(shape.dtype), batch);
+  return kv_cache_bytes(shape.num_layers, shape.num_kv_heads, 1, seq_len,
+                        row_bytes(shape.dtype, shape.head_dim), batch);
 }
 
 }  // namespace kvcache

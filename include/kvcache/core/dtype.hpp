@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Element types of the cache: float, IEEE half (fp16) and bfloat16, with conversions that round
-// exactly as the hardware does (round-to-nearest-even), a runtime DType tag, and dtype dispatch.
+// exactly as the hardware does (round-to-nearest-even); the codes of the quantized formats (int8,
+// fp8 e4m3, whose rows carry a scale: core/format.hpp); a runtime DType tag, and dtype dispatch.
 #pragma once
 
 #include <algorithm>
@@ -108,23 +109,114 @@ struct bfloat16 {
   }
 };
 
+/// OCP / NVIDIA fp8 E4M3 ("e4m3fn"): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
+/// infinities, one NaN pattern per sign (0x7f, 0xff); largest finite 448, smallest subnormal 2^-9.
+/// float -> e4m3 rounds to nearest even and saturates: a finite float or an infinity beyond 448 in
+/// magnitude becomes ±448 (CUDA's __NV_SATFINITE); NaN becomes NaN. A code of a quantized cache
+/// row, read with the row's scale (core/format.hpp).
+struct fp8_e4m3 {
+  std::uint8_t bits = 0;
+
+  constexpr fp8_e4m3() noexcept = default;
+  constexpr explicit fp8_e4m3(float f) noexcept : bits(from_float_bits(f)) {}
+  [[nodiscard]] static constexpr fp8_e4m3 from_bits(std::uint8_t b) noexcept {
+    fp8_e4m3 x;
+    x.bits = b;
+    return x;
+  }
+  [[nodiscard]] constexpr explicit operator float() const noexcept { return to_float(bits); }
+  friend constexpr bool operator==(fp8_e4m3, fp8_e4m3) noexcept = default;
+
+  /// The largest finite magnitude, 448.
+  static constexpr float max_finite = 448.0f;
+
+  /// float -> e4m3 bits: round to nearest even, saturating at ±448, NaN kept (sign kept).
+  [[nodiscard]] static constexpr std::uint8_t from_float_bits(float f) noexcept {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+    const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
+    const std::uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return static_cast<std::uint8_t>(sign | 0x7fu);   // NaN
+    if (a >= 0x43e00000u) return static_cast<std::uint8_t>(sign | 0x7eu);  // >= 448 or inf
+    if (a < 0x3c800000u) {  // below 2^-6: a subnormal code m * 2^-9, m = 0 .. 8 (8: 2^-6)
+      // |f| * 2^9 is exact; adding and subtracting 2^23 rounds it to an integer, nearest even.
+      const float scaled = std::bit_cast<float>(a) * 512.0f;
+      const float m = (scaled + 8388608.0f) - 8388608.0f;
+      return static_cast<std::uint8_t>(sign | static_cast<std::uint8_t>(m));
+    }
+    // Keep 3 mantissa bits, nearest even: the carry may step the exponent (up to 448 at most,
+    // as |f| < 448 here and 448 is a code).
+    const std::uint32_t rounded = a + 0x7ffffu + ((a >> 20) & 1u);
+    return static_cast<std::uint8_t>(sign | ((rounded >> 20) - (120u << 3)));
+  }
+
+  /// e4m3 bits -> float (exact).
+  [[nodiscard]] static constexpr float to_float(std::uint8_t b) noexcept {
+    const std::uint32_t sign = static_cast<std::uint32_t>(b & 0x80u) << 24;
+    const std::uint32_t exp = (b >> 3) & 0xfu;
+    const std::uint32_t mant = b & 0x7u;
+    if (exp == 0xfu && mant == 0x7u) return std::bit_cast<float>(sign | 0x7fc00000u);
+    if (exp == 0) {  // zero or subnormal: mant * 2^-9
+      return std::bit_cast<float>(
+          sign | std::bit_cast<std::uint32_t>(static_cast<float>(mant) * 0.001953125f));
+    }
+    return std::bit_cast<float>(sign | ((exp + 120u) << 23) | (mant << 20));
+  }
+};
+
+/// A code of a symmetric int8 cache row: -127 .. 127 (-128 is never written), read as code x the
+/// row's scale (core/format.hpp).
+struct qint8 {
+  std::int8_t value = 0;
+
+  constexpr qint8() noexcept = default;
+  constexpr explicit qint8(std::int8_t v) noexcept : value(v) {}
+  [[nodiscard]] constexpr explicit operator float() const noexcept {
+    return static_cast<float>(value);
+  }
+  friend constexpr bool operator==(qint8, qint8) noexcept = default;
+};
+
 static_assert(sizeof(half) == 2 && std::is_trivially_copyable_v<half>);
 static_assert(sizeof(bfloat16) == 2 && std::is_trivially_copyable_v<bfloat16>);
+static_assert(sizeof(fp8_e4m3) == 1 && std::is_trivially_copyable_v<fp8_e4m3>);
+static_assert(sizeof(qint8) == 1 && std::is_trivially_copyable_v<qint8>);
 
 /// Runtime tag of an element type (stable numbering: it is written into snapshot files).
-enum class DType : std::uint8_t { f32 = 0, f16 = 1, bf16 = 2 };
+enum class DType : std::uint8_t { f32 = 0, f16 = 1, bf16 = 2, i8 = 3, e4m3 = 4 };
 
-/// The element types a cache can store.
+/// The element types of activations (queries, outputs, appended K/V) and of the unquantized caches.
 template <class T>
 concept Element = std::same_as<T, float> || std::same_as<T, half> || std::same_as<T, bfloat16>;
 
-template <Element T>
-inline constexpr DType dtype_of = std::same_as<T, float>  ? DType::f32
-                                  : std::same_as<T, half> ? DType::f16
-                                                          : DType::bf16;
+/// The codes of the quantized cache formats: each K or V row of head_dim codes carries a scale.
+template <class T>
+concept QuantizedElement = std::same_as<T, qint8> || std::same_as<T, fp8_e4m3>;
 
+/// What a cache can store: an Element, or the codes of a quantized format.
+template <class T>
+concept KVElement = Element<T> || QuantizedElement<T>;
+
+template <KVElement T>
+inline constexpr DType dtype_of = std::same_as<T, float>      ? DType::f32
+                                  : std::same_as<T, half>     ? DType::f16
+                                  : std::same_as<T, bfloat16> ? DType::bf16
+                                  : std::same_as<T, qint8>    ? DType::i8
+                                                              : DType::e4m3;
+
+/// Bytes of one element (one code for int8 and fp8; their row scales are counted by row_bytes).
 [[nodiscard]] constexpr std::size_t dtype_bytes(DType d) noexcept {
-  return d == DType::f32 ? 4 : 2;
+  return d == DType::f32 ? 4 : d == DType::i8 || d == DType::e4m3 ? 1 : 2;
+}
+
+/// True for the formats whose rows carry a scale (int8, fp8).
+[[nodiscard]] constexpr bool dtype_scaled(DType d) noexcept {
+  return d == DType::i8 || d == DType::e4m3;
+}
+
+/// Bytes of one K or V row of head_dim elements, its scale included: head_dim x dtype_bytes, plus
+/// 2 (a bfloat16 scale) for int8 and fp8.
+[[nodiscard]] constexpr std::size_t row_bytes(DType d, std::size_t head_dim) noexcept {
+  return head_dim * dtype_bytes(d) + (dtype_scaled(d) ? 2 : 0);
 }
 
 [[nodiscard]] constexpr const char* dtype_name(DType d) noexcept {
@@ -135,12 +227,17 @@ inline constexpr DType dtype_of = std::same_as<T, float>  ? DType::f32
       return "f16";
     case DType::bf16:
       return "bf16";
+    case DType::i8:
+      return "int8";
+    case DType::e4m3:
+      return "fp8";
   }
   return "unknown";
 }
 
-/// Calls `f(std::type_identity<T>{})` with the element type named by `d`.
-/// @throws shape_error for a value outside the enum, listing the supported ones.
+/// Calls `f(std::type_identity<T>{})` with the Element type named by `d`.
+/// @throws shape_error for a value outside the enum or a quantized format (i8, e4m3), listing the
+///         supported ones.
 template <class F>
 decltype(auto) dispatch_dtype(DType d, F&& f) {
   switch (d) {
@@ -150,6 +247,9 @@ decltype(auto) dispatch_dtype(DType d, F&& f) {
       return f(std::type_identity<half>{});
     case DType::bf16:
       return f(std::type_identity<bfloat16>{});
+    case DType::i8:
+    case DType::e4m3:
+      break;
   }
   throw shape_error(detail::message("unsupported dtype ", static_cast<int>(d),
                                     "; supported: 0 (f32), 1 (f16), 2 (bf16)"));

@@ -10,6 +10,7 @@
 
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
+#include "kvcache/core/format.hpp"
 
 namespace kvcache {
 
@@ -39,15 +40,19 @@ struct KeyRange {
 /// positions to rows. Pointers are device pointers for CUDA kernels (DeviceCache::view() builds
 /// it; engines may fill one by hand for K/V in their own buffers) and host pointers for the CPU
 /// caches. Rows are head_dim elements of T; V rows sit at the same offsets from `v` as K rows
-/// from `k`.
+/// from `k`. A quantized format (int8, fp8) keeps one scale per row beside the codes: the scale of
+/// the row at element offset o from k is k_scale[o / head_dim] (v_scale likewise); null for
+/// f32/f16/bf16.
 ///
 /// `length`, `sink_end` and `recent_begin` are per-sequence arrays (KeyRange of each sequence)
 /// read by kernels; sink_end/recent_begin may be null (= 0). A host LayoutView is given its
 /// sequence's KeyRange directly and reads none of them.
-template <Element T>
+template <KVElement T>
 struct KVLayout {
-  const T* k = nullptr;  ///< K base of the layer
-  const T* v = nullptr;  ///< V base of the layer
+  const T* k = nullptr;                 ///< K base of the layer
+  const T* v = nullptr;                 ///< V base of the layer
+  const scale_type* k_scale = nullptr;  ///< quantized formats: the K rows' scales, else null
+  const scale_type* v_scale = nullptr;  ///< quantized formats: the V rows' scales, else null
   int num_seqs = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
@@ -129,13 +134,17 @@ struct KVLayout {
 /// The layout of K/V kept as one slab per sequence, [seq][K, V][kv_head][slots][head_dim]
 /// (StaticCache, SlidingWindowCache, DeviceCache's contiguous and ring layouts): contiguous when
 /// ring_len == 0, else num_sinks sink slots then a ring of ring_len (slots = their sum). The
-/// per-sequence arrays are left null.
-template <Element T>
+/// per-sequence arrays are left null. `scales`: quantized formats' row scales, laid out as the rows
+/// (one per row, the first for the row at `base`); null for f32/f16/bf16.
+template <KVElement T>
 [[nodiscard]] constexpr KVLayout<T> slab_layout(const T* base, int num_seqs, int num_kv_heads,
                                                 int head_dim, std::int64_t slots, int num_sinks = 0,
-                                                int ring_len = 0) noexcept {
+                                                int ring_len = 0,
+                                                const scale_type* scales = nullptr) noexcept {
   KVLayout<T> out;
   out.k = base;
+  out.k_scale = scales;
+  if (scales != nullptr) out.v_scale = scales + num_kv_heads * slots;
   out.num_seqs = num_seqs;
   out.num_kv_heads = num_kv_heads;
   out.head_dim = head_dim;
@@ -153,13 +162,17 @@ template <Element T>
 /// The layout of a block pool, one allocation per layer of blocks [K, V][kv_head][block_size]
 /// [head_dim], `block_stride` elements apart (PagedCache, DeviceCache's paged layout), read
 /// through `table`, [num_seqs][max_blocks] block ids. The per-sequence arrays are left null.
-template <Element T>
+/// `scales`: a quantized format's row scales laid out as the rows; null for f32/f16/bf16.
+template <KVElement T>
 [[nodiscard]] constexpr KVLayout<T> paged_layout(const T* base, int num_kv_heads, int head_dim,
                                                  int block_size, std::int64_t block_stride,
                                                  const block_id* table, int num_seqs,
-                                                 int max_blocks) noexcept {
+                                                 int max_blocks,
+                                                 const scale_type* scales = nullptr) noexcept {
   KVLayout<T> out;
   out.k = base;
+  out.k_scale = scales;
+  if (scales != nullptr) out.v_scale = scales + num_kv_heads * block_size;
   out.num_seqs = num_seqs;
   out.num_kv_heads = num_kv_heads;
   out.head_dim = head_dim;

@@ -10,6 +10,7 @@
 #include <span>
 #include <vector>
 
+#include "kvcache/core/buffer.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
@@ -21,7 +22,7 @@ namespace kvcache {
 /// Produced by the snapshot loader (kvcache/io/snapshot.hpp) and consumed by a policy's
 /// `restore(std::span<const LayerRestore<T>>)`. After a restore, view(layer, seq) reports exactly
 /// length, sink_end and recent_begin, and holds these K/V rows at those positions.
-template <Element T>
+template <KVElement T>
 struct LayerRestore {
   std::size_t layer = 0;
   std::size_t seq = 0;
@@ -37,6 +38,25 @@ struct LayerRestore {
   std::span<const T> v;
 
   /// Positions held: sink_end + (length - recent_begin). @pre the fields are consistent.
+  [[nodiscard]] constexpr std::size_t held() const noexcept {
+    return static_cast<std::size_t>(sink_end + (length - recent_begin));
+  }
+};
+
+/// LayerRestore of a quantized format (int8, fp8): the same fields, then the rows' scales, packed
+/// as the rows, [num_kv_heads][held] each.
+template <QuantizedElement T>
+struct LayerRestore<T> {
+  std::size_t layer = 0;
+  std::size_t seq = 0;
+  position_t length = 0;
+  position_t sink_end = 0;
+  position_t recent_begin = 0;
+  std::span<const T> k;  ///< codes
+  std::span<const T> v;
+  std::span<const scale_type> k_scale;
+  std::span<const scale_type> v_scale;
+
   [[nodiscard]] constexpr std::size_t held() const noexcept {
     return static_cast<std::size_t>(sink_end + (length - recent_begin));
   }
@@ -62,7 +82,7 @@ namespace detail {
 /// 0 <= sink_end <= recent_begin <= length, and K/V spans sized for held() positions.
 /// @throws layer_error, batch_error, position_error, shape_error naming entry `i`.
 /// O(entries + num_layers * max_batch).
-template <Element T>
+template <KVElement T>
 void check_restore_entries(const char* cache, std::span<const LayerRestore<T>> entries,
                            const CacheShape& shape, std::size_t max_batch) {
   std::vector<std::size_t> first_entry;  // [layer][seq] -> index + 1 of the entry naming it
@@ -97,13 +117,21 @@ void check_restore_entries(const char* cache, std::span<const LayerRestore<T>> e
           cache, ": restore entry ", i, " holds ", held, " positions, so K and V need ", held,
           " x ", row, " elements each, but got ", e.k.size(), " and ", e.v.size()));
     }
+    if constexpr (scaled_v<T>) {
+      const std::size_t scales = held * shape.num_kv_heads;
+      if (e.k_scale.size() != scales || e.v_scale.size() != scales) {
+        throw shape_error(detail::message(
+            cache, ": restore entry ", i, " of ", dtype_name(shape.dtype), " rows needs ", scales,
+            " K and V scales, but got ", e.k_scale.size(), " and ", e.v_scale.size()));
+      }
+    }
   }
 }
 
 /// restore() checks of a cache that holds every position of a sequence up to `max_len` (a
 /// static or contiguous cache): no entry drops positions, none is longer than max_len.
 /// @throws position_error, capacity_error naming entry `i`.
-template <Element T>
+template <KVElement T>
 void check_whole_restore(const char* cache, std::span<const LayerRestore<T>> entries,
                          std::size_t max_len) {
   for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -125,7 +153,7 @@ void check_whole_restore(const char* cache, std::span<const LayerRestore<T>> ent
 /// positions (window + max_append_len - 1): each entry is a state such a window can be in, the
 /// sinks whole ([0, min(length, num_sinks))), the rest at most ring_len positions past them.
 /// @throws position_error, capacity_error naming entry `i`.
-template <Element T>
+template <KVElement T>
 void check_window_restore(const char* cache, std::span<const LayerRestore<T>> entries,
                           std::size_t num_sinks, std::size_t window, std::size_t max_append_len) {
   const auto sinks = static_cast<position_t>(num_sinks);
@@ -151,7 +179,7 @@ void check_window_restore(const char* cache, std::span<const LayerRestore<T>> en
 
 /// Copies positions [first, first + n) of a packed head-major [heads][held][head_dim] source,
 /// starting at packed index `src_first`, into storage rows dst + h * head_stride + slot * dim.
-template <Element T>
+template <class T>
 void copy_packed_rows(T* dst, std::size_t head_stride, std::size_t dst_slot, const T* src,
                       std::size_t held, std::size_t src_first, std::size_t n,
                       const CacheShape& shape) noexcept {
@@ -162,19 +190,53 @@ void copy_packed_rows(T* dst, std::size_t head_stride, std::size_t dst_slot, con
   }
 }
 
+/// copy_packed_rows() of K and V, and of their scales for a quantized format: positions
+/// [src_first, src_first + n) of entry `e` into the rows from `k` and `v` (heads head_stride
+/// elements apart, starting at slot dst_slot) and their scales from `k_scale` and `v_scale` (heads
+/// head_stride / head_dim apart; unused for f32/f16/bf16).
+template <KVElement T>
+void restore_rows(T* k, T* v, scale_type* k_scale, scale_type* v_scale, std::size_t head_stride,
+                  std::size_t dst_slot, const LayerRestore<T>& e, std::size_t src_first,
+                  std::size_t n, const CacheShape& shape) noexcept {
+  const std::size_t held = e.held();
+  copy_packed_rows(k, head_stride, dst_slot, e.k.data(), held, src_first, n, shape);
+  copy_packed_rows(v, head_stride, dst_slot, e.v.data(), held, src_first, n, shape);
+  if constexpr (scaled_v<T>) {
+    const CacheShape one{shape.num_layers, shape.num_kv_heads, 1, shape.dtype};
+    const std::size_t stride = head_stride / shape.head_dim;
+    copy_packed_rows(k_scale, stride, dst_slot, e.k_scale.data(), held, src_first, n, one);
+    copy_packed_rows(v_scale, stride, dst_slot, e.v_scale.data(), held, src_first, n, one);
+  } else {
+    (void)k_scale;
+    (void)v_scale;
+  }
+}
+
+/// restore_rows() into a RowBuffer, K rows from element offset k_at and V rows from v_at.
+template <KVElement T>
+void restore_rows(RowBuffer<T>& storage, std::size_t k_at, std::size_t v_at,
+                  std::size_t head_stride, std::size_t dst_slot, const LayerRestore<T>& e,
+                  std::size_t src_first, std::size_t n, const CacheShape& shape) noexcept {
+  restore_rows(storage.data() + k_at, storage.data() + v_at, storage.scale_at(k_at),
+               storage.scale_at(v_at), head_stride, dst_slot, e, src_first, n, shape);
+}
+
 /// Writes the positions [index * block_size, (index + 1) * block_size) that `e` holds into
-/// `block`, a paged block [K, V][num_kv_heads][block_size][head_dim]: block `index` of a
-/// sequence restored from e. @pre e holds every position (sink_end == recent_begin == 0).
-template <Element T>
-void fill_packed_block(T* block, std::size_t block_size, const CacheShape& shape,
-                       const LayerRestore<T>& e, std::size_t index) noexcept {
+/// `block`, a paged block [K, V][num_kv_heads][block_size][head_dim], and for a quantized format
+/// their scales into `scales`, the block's [K, V][num_kv_heads][block_size] (null otherwise):
+/// block `index` of a sequence restored from e. @pre e holds every position (sink_end ==
+/// recent_begin == 0).
+template <KVElement T>
+void fill_packed_block(T* block, scale_type* scales, std::size_t block_size,
+                       const CacheShape& shape, const LayerRestore<T>& e,
+                       std::size_t index) noexcept {
   const std::size_t n = e.held(), first = index * block_size;
   if (first >= n) return;
-  const std::size_t head_elems = block_size * shape.head_dim;
-  const std::size_t rows = std::min(block_size, n - first);
-  copy_packed_rows(block, head_elems, 0, e.k.data(), n, first, rows, shape);
-  copy_packed_rows(block + shape.num_kv_heads * head_elems, head_elems, 0, e.v.data(), n, first,
-                   rows, shape);
+  const std::size_t head_elems = block_size * shape.head_dim,
+                    v_rows = shape.num_kv_heads * block_size;
+  restore_rows(block, block + v_rows * shape.head_dim, scales,
+               scales != nullptr ? scales + v_rows : nullptr, head_elems, 0, e, first,
+               std::min(block_size, n - first), shape);
 }
 
 /// The rows `view` holds, packed as a LayerRestore holds them: k and v [num_kv_heads][held]

@@ -16,6 +16,7 @@
 #include "kvcache/core/buffer.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
+#include "kvcache/core/format.hpp"
 #include "kvcache/core/layout.hpp"
 
 namespace kvcache {
@@ -23,19 +24,24 @@ namespace kvcache {
 /// A run of `len` cache slots, contiguous in memory, holding consecutive positions
 /// first_pos, first_pos + 1, ... . Layout per KV head: [len][head_dim] rows; heads are
 /// `head_stride` elements apart. K of slot j, head h is at k + h * head_stride + j * head_dim.
-template <Element T>
+/// Quantized formats (int8, fp8): the scale of that row is k_scale[h * head_stride / head_dim + j]
+/// (v_scale likewise; its value is code x scale); k_scale and v_scale are null for f32/f16/bf16.
+template <KVElement T>
 struct KVSegment {
   const T* k = nullptr;
   const T* v = nullptr;
   std::size_t head_stride = 0;
   position_t first_pos = 0;
   std::size_t len = 0;
+  const scale_type* k_scale = nullptr;
+  const scale_type* v_scale = nullptr;
 };
 
 /// What attention needs from one layer of one sequence.
 ///
 /// Requirements (for `const V v`, `std::size_t i`):
-///  1. `V::value_type` is the element type (float, half or bfloat16).
+///  1. `V::value_type` is the element type (float, half, bfloat16, or the codes of a quantized
+///     format, qint8 or fp8_e4m3, whose segments carry row scales).
 ///  2. `v.num_kv_heads()`, `v.head_dim()` -> std::size_t: the row shape.
 ///  3. `v.length()` -> position_t: one past the last position of the sequence (its seq_length).
 ///  4. `v.sink_end()`, `v.recent_begin()` -> position_t: the positions the view holds are
@@ -49,7 +55,7 @@ struct KVSegment {
 template <class V>
 concept KVView = requires(const V& v, std::size_t i) {
   typename V::value_type;
-  requires Element<typename V::value_type>;
+  requires KVElement<typename V::value_type>;
   { v.num_kv_heads() } -> std::same_as<std::size_t>;
   { v.head_dim() } -> std::same_as<std::size_t>;
   { v.length() } -> std::same_as<position_t>;
@@ -71,7 +77,7 @@ template <KVView V>
 /// cut to the positions the sequence holds, [0, sink_end) then [recent_begin, length): for a paged
 /// sequence that drops nothing, one segment per block. O(1) per segment; reads the layout's
 /// addressing (row_offset), never its per-sequence arrays.
-template <Element T>
+template <KVElement T>
 class LayoutView {
  public:
   using value_type = T;
@@ -107,8 +113,15 @@ class LayoutView {
       end = std::min(keys_.length, layout_.run_begin(run + 1));
     }
     const auto offset = static_cast<std::size_t>(layout_.row_offset(seq_, 0, begin));
-    return {layout_.k + offset, layout_.v + offset, static_cast<std::size_t>(layout_.head_stride),
-            begin, static_cast<std::size_t>(end - begin)};
+    KVSegment<T> s{layout_.k + offset, layout_.v + offset,
+                   static_cast<std::size_t>(layout_.head_stride), begin,
+                   static_cast<std::size_t>(end - begin)};
+    if (layout_.k_scale != nullptr) {
+      const std::size_t row = offset / static_cast<std::size_t>(layout_.head_dim);
+      s.k_scale = layout_.k_scale + row;
+      s.v_scale = layout_.v_scale + row;
+    }
+    return s;
   }
 
   /// The layout the view reads and the sequence it reads in it.
@@ -137,7 +150,7 @@ class LayoutView {
 };
 
 /// A view made of at most N segments stored inline, for K/V laid out in the caller's own way.
-template <Element T, std::size_t N>
+template <KVElement T, std::size_t N>
 class SegmentView {
  public:
   using value_type = T;
@@ -177,13 +190,13 @@ class SegmentView {
 /// A view over equally sized chunks, each one allocation laid out as
 /// K [num_kv_heads][chunk_len][head_dim] followed by V of the same shape: DynamicCache's view.
 /// Chunk i holds positions [i * chunk_len, (i + 1) * chunk_len) clipped to length.
-template <Element T>
+template <KVElement T>
 class ChunkedView {
  public:
   using value_type = T;
 
   ChunkedView() = default;
-  ChunkedView(const AlignedBuffer<T>* chunks, std::size_t chunk_len, std::size_t num_kv_heads,
+  ChunkedView(const RowBuffer<T>* chunks, std::size_t chunk_len, std::size_t num_kv_heads,
               std::size_t head_dim, position_t length) noexcept
       : chunks_(chunks),
         chunk_len_(chunk_len),
@@ -201,14 +214,19 @@ class ChunkedView {
   }
   [[nodiscard]] KVSegment<T> segment(std::size_t i) const noexcept {
     const T* base = chunks_[i].data();
-    const std::size_t first = i * chunk_len_;
-    return {base, base + num_kv_heads_ * chunk_len_ * head_dim_, chunk_len_ * head_dim_,
+    const std::size_t first = i * chunk_len_, v_at = num_kv_heads_ * chunk_len_;
+    const scale_type* scales = chunks_[i].scales();
+    return {base,
+            base + v_at * head_dim_,
+            chunk_len_ * head_dim_,
             static_cast<position_t>(first),
-            std::min(chunk_len_, static_cast<std::size_t>(length_) - first)};
+            std::min(chunk_len_, static_cast<std::size_t>(length_) - first),
+            scales,
+            scales != nullptr ? scales + v_at : nullptr};
   }
 
  private:
-  const AlignedBuffer<T>* chunks_ = nullptr;
+  const RowBuffer<T>* chunks_ = nullptr;
   std::size_t chunk_len_ = 1;
   std::size_t num_kv_heads_ = 0;
   std::size_t head_dim_ = 0;

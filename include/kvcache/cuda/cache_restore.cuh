@@ -126,7 +126,7 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
     for (const RestorePlan::Range r : plan.fresh_blocks(e.seq)) {
       for (std::size_t i = r.begin; i < r.end && i * config_.block_size < n; ++i) {
         T* block = staging.data() + used++ * block_elems;
-        kvcache::detail::fill_packed_block(block, config_.block_size, shape, e, i);
+        kvcache::detail::fill_packed_block(block, nullptr, config_.block_size, shape, e, i);
         T* dst = storage_.data() + layer_offset(e.layer) + std::size_t{table[i]} * block_elems;
         check(cudaMemcpyAsync(dst, block, block_elems * sizeof(T), cudaMemcpyHostToDevice, stream),
               "cudaMemcpyAsync(restore)");

@@ -62,7 +62,7 @@ concept SnapshotCache = CacheConcept<C> && requires {
   { SnapshotTraits<C>::kTracksTokens } -> std::convertible_to<bool>;
 };
 
-template <Element T>
+template <KVElement T>
 struct SnapshotTraits<StaticCache<T>> {
   using cache_type = StaticCache<T>;
   static constexpr SnapshotPolicy kPolicy = SnapshotPolicy::static_cache;
@@ -82,7 +82,7 @@ struct SnapshotTraits<StaticCache<T>> {
   }
 };
 
-template <Element T>
+template <KVElement T>
 struct SnapshotTraits<DynamicCache<T>> {
   using cache_type = DynamicCache<T>;
   static constexpr SnapshotPolicy kPolicy = SnapshotPolicy::dynamic_cache;
@@ -105,7 +105,7 @@ struct SnapshotTraits<DynamicCache<T>> {
   }
 };
 
-template <Element T>
+template <KVElement T>
 struct SnapshotTraits<SlidingWindowCache<T>> {
   using cache_type = SlidingWindowCache<T>;
   static constexpr SnapshotPolicy kPolicy = SnapshotPolicy::sliding_window;
@@ -152,7 +152,7 @@ struct SnapshotTraits<SlidingWindowCache<T>> {
 /// cache tracks ids itself), not its block layout. Loading takes fresh blocks from the
 /// destination's pool, copies the rows in and indexes the full blocks in its prefix index
 /// (PagedCache::restore), so a loaded prompt serves prefix-cache hits once released.
-template <Element T, BlockHasher H>
+template <KVElement T, BlockHasher H>
 struct SnapshotTraits<PagedCache<T, H>> {
   using cache_type = PagedCache<T, H>;
   static constexpr SnapshotPolicy kPolicy = SnapshotPolicy::paged_cache;
@@ -210,7 +210,7 @@ struct SnapshotTraits<TokenTrackedCache<C>> {
 
 /// Deliberately not defined: a PagedCache tracks its ids itself; wrapped in a TokenTrackedCache
 /// they would be tracked twice. Snapshot the PagedCache itself (SnapshotCache is false here).
-template <Element T, BlockHasher H>
+template <KVElement T, BlockHasher H>
 struct SnapshotTraits<TokenTrackedCache<PagedCache<T, H>>>;
 
 /// Options of save_snapshot().
@@ -359,7 +359,7 @@ struct SavePlan {
       for (std::size_t s = 0; s < ids.size(); ++s) ids[s] = s;
     }
     const CacheShape shape = cache.shape();
-    const std::uint64_t row_bytes = shape.token_elems() * dtype_bytes(shape.dtype);
+    const std::uint64_t token_bytes = shape.num_kv_heads * row_bytes(shape.dtype, shape.head_dim);
     section_sizes.push_back(kMetaBytes);
     std::vector<bool> listed(cache.max_batch(), false);
     for (std::size_t i = 0; i < ids.size(); ++i) {
@@ -387,7 +387,7 @@ struct SavePlan {
       if (s.exact_prefix < s.tokens.size()) section_sizes.push_back(kExactPrefixBytes);
       if (s.extra_key != 0) section_sizes.push_back(kExtraKeyBytes);
       for (const LayerState& st : s.layers) {
-        section_sizes.push_back(kLayerKvHeaderBytes + 2 * st.held() * row_bytes);
+        section_sizes.push_back(kLayerKvHeaderBytes + 2 * st.held() * token_bytes);
       }
       seqs.push_back(std::move(s));
     }
@@ -509,6 +509,18 @@ void write_snapshot(Sink& sink, const C& cache, const ModelId& model_id, const S
             const KVSegment<T> seg = view.segment(i);
             const T* rows = (values ? seg.v : seg.k) + h * seg.head_stride;
             emit(as_bytes_of(rows, seg.len * shape.head_dim));
+          }
+        }
+      }
+      if constexpr (scaled_v<T>) {  // then the rows' scales, K then V, laid out as the rows
+        for (const bool values : {false, true}) {
+          for (std::size_t h = 0; h < shape.num_kv_heads; ++h) {
+            for (std::size_t i = 0; i < view.num_segments(); ++i) {
+              const KVSegment<T> seg = view.segment(i);
+              const scale_type* scales =
+                  (values ? seg.v_scale : seg.k_scale) + h * seg.head_stride / shape.head_dim;
+              emit(as_bytes_of(scales, seg.len));
+            }
           }
         }
       }
@@ -646,8 +658,20 @@ SnapshotInfo load_aligned(std::span<const std::byte> bytes, C& cache, const Mode
       }
       const std::size_t elems = static_cast<std::size_t>(st.held()) * row;
       const T* k = reinterpret_cast<const T*>(bytes.data() + s.kv_offset[l]);
-      entries.push_back({l, dest[i], st.length, st.sink_end, st.recent_begin,
-                         std::span<const T>(k, elems), std::span<const T>(k + elems, elems)});
+      LayerRestore<T>& e = entries.emplace_back();
+      e.layer = l;
+      e.seq = dest[i];
+      e.length = st.length;
+      e.sink_end = st.sink_end;
+      e.recent_begin = st.recent_begin;
+      e.k = std::span<const T>(k, elems);
+      e.v = std::span<const T>(k + elems, elems);
+      if constexpr (scaled_v<T>) {  // the scales follow the codes (2-byte aligned: elems is even)
+        const auto* scales = reinterpret_cast<const scale_type*>(k + 2 * elems);
+        const std::size_t rows = static_cast<std::size_t>(st.held()) * shape.num_kv_heads;
+        e.k_scale = std::span<const scale_type>(scales, rows);
+        e.v_scale = std::span<const scale_type>(scales + rows, rows);
+      }
     }
     if constexpr (Traits::kTracksTokens) {
       if (s.num_token_ids > cache.capacity()) {

@@ -65,7 +65,7 @@ static_assert(std::endian::native == std::endian::little,
 /// META payload, 192 bytes: the shape fingerprint and the model identity.
 ///     0    4  policy           SnapshotPolicy: 1 StaticCache, 2 DynamicCache,
 ///                              3 SlidingWindowCache, 4 PagedCache
-///     4    4  dtype            DType numbering: 0 f32, 1 f16, 2 bf16
+///     4    4  dtype            DType numbering: 0 f32, 1 f16, 2 bf16, 3 int8, 4 fp8 (e4m3)
 ///     8    8  num_layers       >= 1
 ///    16    8  num_kv_heads     >= 1
 ///    24    8  head_dim         >= 1
@@ -118,15 +118,19 @@ static_assert(std::endian::native == std::endian::little,
 ///                              file (the kind is required) rather than share the sequence's
 ///                              blocks with prompts of another key.
 ///
-/// LAYER_KV payload, 64 + 2 * num_kv_heads * held * head_dim * dtype_bytes bytes:
+/// LAYER_KV payload, 64 + 2 * num_kv_heads * held * row_bytes(dtype, head_dim) bytes (row_bytes:
+/// head_dim * dtype_bytes, plus 2 for int8 and fp8):
 ///     0    8  sequence_record  0-based index of the SEQUENCE section this layer belongs to
 ///     8    8  layer            0 .. num_layers - 1, in order
 ///    16    8  held             sink_end + length - recent_begin of that layer
 ///    24   40  reserved         zero
 ///    64       K: [num_kv_heads][held][head_dim] elements (held positions in increasing order),
 ///             then V of the same shape. Elements are the raw little-endian bits of f32 / IEEE
-///             fp16 / bfloat16. The payload starts 64-aligned, so K and V are 64-byte aligned
-///             in the file and in a mapping of it.
+///             fp16 / bfloat16, or the codes of int8 (two's complement) / fp8 e4m3. The payload
+///             starts 64-aligned, so K and V are 64-byte aligned in the file and in a mapping
+///             of it. int8 and fp8 only: then the K rows' scales [num_kv_heads][held], then the
+///             V rows', each a bfloat16 (a row's values are code x scale, core/format.hpp).
+///             Files of dtype 0-2 are laid out exactly as before these formats existed.
 namespace kvcache {
 
 /// Which cache policy wrote a snapshot (META.policy). Stable numbering.
@@ -483,9 +487,9 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
   }
   out.policy = static_cast<SnapshotPolicy>(policy);
   const auto dtype = get<std::uint32_t>(bytes, m + kMetaDtype);
-  if (dtype > 2) {
+  if (dtype > 4) {
     fail<snapshot_format_error>(name, m + kMetaDtype, "unknown dtype ", dtype,
-                                " (0 f32, 1 f16, 2 bf16)");
+                                " (0 f32, 1 f16, 2 bf16, 3 int8, 4 fp8)");
   }
   out.dtype = static_cast<DType>(dtype);
   auto count_field = [&](std::size_t off, const char* what, bool nonzero) {
@@ -555,7 +559,12 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
                                 " LAYER_KV sections per sequence, but the file has ", num_sections,
                                 " sections");
   }
-  const std::uint64_t elem_bytes = dtype_bytes(out.dtype);
+  // K and V of one position: the elements, plus a scale per row for int8 and fp8.
+  const std::uint64_t head_row =
+      detail::mul_count(name, m + kMetaHeadDim, head_dim, dtype_bytes(out.dtype), "row bytes") +
+      (dtype_scaled(out.dtype) ? 2 : 0);
+  const std::uint64_t token_bytes =
+      detail::mul_count(name, m + kMetaHeadDim, heads, head_row, "K/V bytes per position");
 
   // SEQUENCE and LAYER_KV sections.
   out.sequences.reserve(num_sequences);
@@ -661,7 +670,8 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
       const std::uint64_t elems =
           detail::mul_count(name, k + kKvHeld, 2 * held, row_elems, "LAYER_KV elements");
       const std::uint64_t data =
-          detail::mul_count(name, k + kKvHeld, elems, elem_bytes, "LAYER_KV bytes");
+          detail::mul_count(name, k + kKvHeld, 2 * held, token_bytes, "LAYER_KV bytes");
+      (void)elems;  // checked first: the element count must fit too
       if (ks.size < kLayerKvHeaderBytes || ks.size - kLayerKvHeaderBytes != data) {
         fail<snapshot_format_error>(name, k, "LAYER_KV of sequence ", seq.seq, " layer ", l, " is ",
                                     ks.size, " bytes, expected ", kLayerKvHeaderBytes, " + ", data,

@@ -17,6 +17,7 @@
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/format.hpp"
 #include "kvcache/core/restore.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -77,13 +78,16 @@ inline ShiftedLayout shifted_layout(std::size_t seq, std::size_t layer, position
 
 /// Appends to k_out / v_out (each already sized; written from row `first` of a packed
 /// [heads][held][head_dim] block of `held` rows) the rows of `view` that survive dropping
-/// positions [keep, end), the keys of positions >= end turned back by end - keep.
-/// `scratch` holds at least kShiftTile * head_dim floats.
+/// positions [keep, end), the keys of positions >= end turned back by end - keep (read as floats,
+/// turned, and written back in the cache's format: rounded, or quantized with a fresh scale).
+/// Quantized formats: ks_out / vs_out receive the rows' scales, packed [heads][held] (unused
+/// otherwise). `scratch` holds at least kShiftTile * head_dim floats.
 inline constexpr std::size_t kShiftTile = 64;
 
-template <KVView V, Element T = typename V::value_type>
+template <KVView V, KVElement T = typename V::value_type>
 void pack_shifted(const V& view, const Rope& rope, position_t keep, position_t end, T* k_out,
-                  T* v_out, std::size_t held, float* scratch) {
+                  T* v_out, scale_type* ks_out, scale_type* vs_out, std::size_t held,
+                  float* scratch) {
   const std::size_t d = view.head_dim();
   const double delta = -static_cast<double>(end - keep);
   std::size_t row = 0;  // packed row of the next surviving position
@@ -101,21 +105,30 @@ void pack_shifted(const V& view, const Rope& rope, position_t keep, position_t e
       for (std::size_t h = 0; h < view.num_kv_heads(); ++h) {
         const T* k = seg.k + h * seg.head_stride + from * d;
         const T* v = seg.v + h * seg.head_stride + from * d;
-        T* kd = k_out + (h * held + row) * d;
-        std::copy(v, v + n * d, v_out + (h * held + row) * d);
+        const std::size_t out_row = h * held + row;
+        T* kd = k_out + out_row * d;
+        std::copy(v, v + n * d, v_out + out_row * d);
+        const scale_type* k_scale = nullptr;
+        if constexpr (scaled_v<T>) {
+          const std::size_t at = h * seg.head_stride / d + from;
+          k_scale = seg.k_scale + at;
+          std::copy(seg.v_scale + at, seg.v_scale + at + n, vs_out + out_row);
+          if (!turned) std::copy(k_scale, k_scale + n, ks_out + out_row);
+        }
         if (!turned) {
           std::copy(k, k + n * d, kd);
           continue;
         }
         for (std::size_t t = 0; t < n; t += kShiftTile) {
           const std::size_t m = std::min(kShiftTile, n - t);
-          if constexpr (std::same_as<T, float>) {
-            std::copy(k + t * d, k + (t + m) * d, kd + t * d);
-            rope.turn(kd + t * d, m, delta);  // m rows of head_dim, one angle set
-          } else {
-            convert_to_float(std::span<const T>(k + t * d, m * d), scratch);
-            rope.turn(scratch, m, delta);
-            convert_from_float<T>(std::span<const float>(scratch, m * d), kd + t * d);
+          for (std::size_t r = t; r < t + m; ++r) {
+            dequantize_row(k + r * d, k_scale != nullptr ? k_scale + r : nullptr, d,
+                           scratch + (r - t) * d);
+          }
+          rope.turn(scratch, m, delta);  // m rows of head_dim, one angle set
+          for (std::size_t r = t; r < t + m; ++r) {
+            quantize_row(scratch + (r - t) * d, d, kd + r * d,
+                         scaled_v<T> ? ks_out + out_row + r : nullptr);
           }
         }
       }
@@ -152,16 +165,17 @@ void check_context_shift(const char* who, const CacheShape& shape, std::size_t m
 
 /// A shifted sequence, ready for a restore() hook: the packed rows of every layer and the
 /// entries that point into them.
-template <Element T>
+template <KVElement T>
 struct ShiftedRows {
   std::vector<T> k, v;
+  std::vector<scale_type> k_scale, v_scale;  // quantized formats
   std::vector<LayerRestore<T>> entries;
 };
 
 /// The rows of every layer of `seq` after positions [n_keep, n_keep + n_discard) are dropped and
 /// the later keys turned back (pack_shifted), read from `view_of(l)`, a host KVView of layer l.
 /// @throws position_error (shifted_layout), std::bad_alloc.
-template <Element T, class ViewOf>
+template <KVElement T, class ViewOf>
 ShiftedRows<T> shift_rows(const CacheShape& shape, std::size_t seq, std::size_t n_keep,
                           std::size_t n_discard, const Rope& rope, ViewOf&& view_of) {
   const auto keep = static_cast<position_t>(n_keep);
@@ -180,21 +194,36 @@ ShiftedRows<T> shift_rows(const CacheShape& shape, std::size_t seq, std::size_t 
   ShiftedRows<T> out;
   out.k.resize(first_row.back() * row_elems);
   out.v.resize(out.k.size());
+  if constexpr (scaled_v<T>) {
+    out.k_scale.resize(first_row.back() * shape.num_kv_heads);
+    out.v_scale.resize(out.k_scale.size());
+  }
   out.entries.resize(shape.num_layers);
   std::vector<float> scratch(kShiftTile * shape.head_dim);
   for (std::size_t l = 0; l < shape.num_layers; ++l) {
     const std::size_t held = first_row[l + 1] - first_row[l];
     T* k_out = out.k.data() + first_row[l] * row_elems;
     T* v_out = out.v.data() + first_row[l] * row_elems;
-    pack_shifted(view_of(l), rope, keep, end, k_out, v_out, held, scratch.data());
+    scale_type* ks_out = nullptr;
+    scale_type* vs_out = nullptr;
+    if constexpr (scaled_v<T>) {
+      ks_out = out.k_scale.data() + first_row[l] * shape.num_kv_heads;
+      vs_out = out.v_scale.data() + first_row[l] * shape.num_kv_heads;
+    }
+    pack_shifted(view_of(l), rope, keep, end, k_out, v_out, ks_out, vs_out, held, scratch.data());
     const ShiftedLayout& s = layouts[l];
-    out.entries[l] = {.layer = l,
-                      .seq = seq,
-                      .length = s.length,
-                      .sink_end = s.sink_end,
-                      .recent_begin = s.recent_begin,
-                      .k = {k_out, held * row_elems},
-                      .v = {v_out, held * row_elems}};
+    LayerRestore<T>& e = out.entries[l];
+    e.layer = l;
+    e.seq = seq;
+    e.length = s.length;
+    e.sink_end = s.sink_end;
+    e.recent_begin = s.recent_begin;
+    e.k = {k_out, held * row_elems};
+    e.v = {v_out, held * row_elems};
+    if constexpr (scaled_v<T>) {
+      e.k_scale = {ks_out, held * shape.num_kv_heads};
+      e.v_scale = {vs_out, held * shape.num_kv_heads};
+    }
   }
   return out;
 }

@@ -44,7 +44,7 @@ struct DynamicCacheConfig {
 /// O(n * num_kv_heads * head_dim) plus one allocation per chunk_len tokens; cached tokens are
 /// never moved, so views of earlier positions stay cheap and the growth is amortised O(1) per
 /// token without the 2x transient of a doubling vector.
-template <Element T>
+template <KVElement T>
 class DynamicCache {
  public:
   using value_type = T;
@@ -75,8 +75,9 @@ class DynamicCache {
   /// @throws layer_error, batch_error, shape_error, capacity_error (past max_seq_len),
   ///         std::bad_alloc; the cache is unchanged on throw.
   template <class U>
-  requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
-  float > void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
+  requires(std::same_as<std::remove_const_t<U>, T>&& Element<T>) ||
+      std::same_as<std::remove_const_t<U>, float> void append(std::size_t layer, std::size_t seq,
+                                                              TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     const In kin = k, vin = v;
     detail::check_layer(kName, layer, shape_.num_layers);
@@ -92,9 +93,10 @@ class DynamicCache {
     if (need > slot.chunks.size()) {
       const std::size_t missing = need - slot.chunks.size();
       const std::size_t reused = std::min(missing, spare_.size());
-      std::vector<AlignedBuffer<T>> grown;  // built aside, so bad_alloc changes nothing
+      std::vector<RowBuffer<T>> grown;  // built aside, so bad_alloc changes nothing
       grown.reserve(missing - reused);
-      for (std::size_t i = reused; i < missing; ++i) grown.emplace_back(chunk_elems_);
+      for (std::size_t i = reused; i < missing; ++i)
+        grown.emplace_back(chunk_rows(), shape_.head_dim);
       slot.chunks.reserve(need);
       for (std::size_t i = 0; i < reused; ++i) {  // no throw after the reserve
         slot.chunks.push_back(std::move(spare_.back()));
@@ -110,11 +112,12 @@ class DynamicCache {
       const std::size_t pos = slot.length + done;
       const std::size_t in_chunk = pos % chunk_len_;
       const std::size_t run = std::min(n - done, chunk_len_ - in_chunk);
-      T* base = slot.chunks[pos / chunk_len_].data();
+      RowBuffer<T>& chunk = slot.chunks[pos / chunk_len_];
       for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
-        T* kdst = base + h * head_elems + in_chunk * d;
-        detail::store_rows(kdst, kin, done, run, h);
-        detail::store_rows(kdst + v_offset, vin, done, run, h);
+        const std::size_t at = h * head_elems + in_chunk * d;
+        detail::store_rows(chunk.data() + at, chunk.scale_at(at), kin, done, run, h);
+        detail::store_rows(chunk.data() + at + v_offset, chunk.scale_at(at + v_offset), vin, done,
+                           run, h);
       }
       done += run;
     }
@@ -199,9 +202,10 @@ class DynamicCache {
     // Everything that can throw, aside: the shortfall's allocations, room in the spare list for
     // the released chunks, room in each slot's list.
     const std::size_t reusable = spare_.size() + released;
-    std::vector<AlignedBuffer<T>> grown;
+    std::vector<RowBuffer<T>> grown;
     grown.reserve(needed > reusable ? needed - reusable : 0);
-    for (std::size_t i = reusable; i < needed; ++i) grown.emplace_back(chunk_elems_);
+    for (std::size_t i = reusable; i < needed; ++i)
+      grown.emplace_back(chunk_rows(), shape_.head_dim);
     spare_.reserve(spare_.size() + released + grown.size());
     for (const LayerRestore<T>& e : entries) {
       slots_[e.layer * max_batch_ + e.seq].chunks.reserve(chunks_for(e.held()));
@@ -223,10 +227,8 @@ class DynamicCache {
       for (std::size_t first = 0; first < n; first += chunk_len_) {
         slot.chunks.push_back(std::move(spare_.back()));
         spare_.pop_back();
-        T* base = slot.chunks.back().data();
         const std::size_t run = std::min(chunk_len_, n - first);
-        detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, first, run, shape_);
-        detail::copy_packed_rows(base + v_offset, head_elems, 0, e.v.data(), n, first, run, shape_);
+        detail::restore_rows(slot.chunks.back(), 0, v_offset, head_elems, 0, e, first, run, shape_);
       }
       slot.length = n;
     }
@@ -240,7 +242,7 @@ class DynamicCache {
   static constexpr const char* kName = "DynamicCache";
 
   struct Slot {
-    std::vector<AlignedBuffer<T>> chunks;
+    std::vector<RowBuffer<T>> chunks;
     std::size_t length = 0;
   };
 
@@ -250,7 +252,11 @@ class DynamicCache {
     return slots_[layer * max_batch_ + seq];
   }
 
-  [[nodiscard]] std::size_t chunk_bytes() const noexcept { return chunk_elems_ * sizeof(T); }
+  [[nodiscard]] std::size_t chunk_bytes() const noexcept {
+    return chunk_elems_ * sizeof(T) + (scaled_v<T> ? chunk_rows() * sizeof(scale_type) : 0);
+  }
+  // K and V rows of one chunk: 2 x num_kv_heads x chunk_len.
+  [[nodiscard]] std::size_t chunk_rows() const noexcept { return chunk_elems_ / shape_.head_dim; }
   /// Chunks that hold n tokens.
   [[nodiscard]] std::size_t chunks_for(std::size_t n) const noexcept {
     return (n + chunk_len_ - 1) / chunk_len_;
@@ -289,11 +295,13 @@ class DynamicCache {
   std::size_t chunk_elems_ = 0;
   std::size_t allocated_bytes_ = 0;  // chunks in slots_ and in spare_
   std::vector<Slot> slots_;          // [layer][seq]
-  std::vector<AlignedBuffer<T>> spare_;
+  std::vector<RowBuffer<T>> spare_;
 };
 
 static_assert(CacheConcept<DynamicCache<float>>);
 static_assert(CacheConcept<DynamicCache<half>>);
 static_assert(CacheConcept<DynamicCache<bfloat16>>);
+static_assert(CacheConcept<DynamicCache<qint8>>);
+static_assert(CacheConcept<DynamicCache<fp8_e4m3>>);
 
 }  // namespace kvcache

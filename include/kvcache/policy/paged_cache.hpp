@@ -56,7 +56,7 @@ struct PagedCacheConfig {
 /// block, read in place from the pool (no gather). Block i of the sequence's table
 /// (block_table()) holds positions [i * block_size, (i + 1) * block_size) clipped to length; its
 /// K is [num_kv_heads][block_size][head_dim], V follows.
-template <Element T>
+template <KVElement T>
 using PagedView = LayoutView<T>;
 
 /// Paged KV cache with automatic prefix caching: a BlockManager (the bookkeeping: tables, ids,
@@ -95,7 +95,7 @@ using PagedView = LayoutView<T>;
 /// check_consistency() needs no concurrent mutation. K/V rows are written and copied outside the
 /// manager's lock, only into blocks the writing sequence holds alone. A view is valid until the
 /// next mutating call on its own sequence; other sequences' operations never invalidate it.
-template <Element T, BlockHasher Hasher = DefaultBlockHasher>
+template <KVElement T, BlockHasher Hasher = DefaultBlockHasher>
 class PagedCache {
  public:
   using value_type = T;
@@ -125,8 +125,9 @@ class PagedCache {
   ///         position_error (a tracked sequence: positions past its registered ids),
   ///         pool_exhausted_error; the cache is unchanged on throw.
   template <class U>
-  requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
-  float > void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
+  requires(std::same_as<std::remove_const_t<U>, T>&& Element<T>) ||
+      std::same_as<std::remove_const_t<U>, float> void append(std::size_t layer, std::size_t seq,
+                                                              TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     append_rows(layer, seq, nullptr, In(k), In(v));
   }
@@ -142,9 +143,10 @@ class PagedCache {
   ///         the one registered at its position, naming both; or an untracked sequence holding
   ///         K/V); the cache is unchanged on throw.
   template <class U>
-  requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
-  float > void append(std::size_t layer, std::size_t seq, std::span<const token_id> ids,
-                      TokenBlock<U> k, TokenBlock<U> v) {
+  requires(std::same_as<std::remove_const_t<U>, T>&& Element<T>) ||
+      std::same_as<std::remove_const_t<U>, float> void append(std::size_t layer, std::size_t seq,
+                                                              std::span<const token_id> ids,
+                                                              TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     const In kin = k;
     if (ids.size() != kin.num_tokens) {
@@ -164,7 +166,7 @@ class PagedCache {
         paged_layout(blocks_.layer_base(layer), static_cast<int>(shape_.num_kv_heads),
                      static_cast<int>(shape_.head_dim), static_cast<int>(block_size()),
                      static_cast<std::int64_t>(blocks_.block_elems()), table.data(), 1,
-                     static_cast<int>(table.size()));
+                     static_cast<int>(table.size()), blocks_.layer_scales(layer));
     return view_type(layout, 0, KeyRange{0, 0, len});
   }
 
@@ -390,6 +392,8 @@ class PagedCache {
 static_assert(CacheConcept<PagedCache<float>>);
 static_assert(CacheConcept<PagedCache<half>>);
 static_assert(CacheConcept<PagedCache<bfloat16>>);
+static_assert(CacheConcept<PagedCache<qint8>>);
+static_assert(CacheConcept<PagedCache<fp8_e4m3>>);
 static_assert(PrefixCacheConcept<PagedCache<float>>);
 static_assert(PrefixCacheConcept<PagedCache<half>>);
 static_assert(PrefixCacheConcept<PagedCache<bfloat16>>);

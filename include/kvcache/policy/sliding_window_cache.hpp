@@ -42,7 +42,7 @@ struct SlidingWindowCacheConfig {
 /// (p - num_sink_tokens) % ring_len(). After appending n <= max_append_len tokens every query
 /// among them still finds its whole window in the cache, and crop() can roll back up to
 /// max_append_len tokens below the longest length reached (can_crop() states it exactly).
-template <Element T>
+template <KVElement T>
 class SlidingWindowCache {
  public:
   using value_type = T;
@@ -71,7 +71,9 @@ class SlidingWindowCache {
     ring_len_ = window_ + max_append_len_ - 1;
     slots_per_seq_ = num_sinks_ + ring_len_;
     detail::require_int(slots_per_seq_, kName, "num_sink_tokens + window + max_append_len - 1");
-    storage_ = AlignedBuffer<T>(kv_cache_bytes(shape_, slots_per_seq_, max_batch_) / sizeof(T));
+    (void)kv_cache_bytes(shape_, slots_per_seq_, max_batch_);  // throws if it overflows
+    storage_ = RowBuffer<T>(
+        2 * shape_.num_layers * max_batch_ * shape_.num_kv_heads * slots_per_seq_, shape_.head_dim);
     state_.assign(shape_.num_layers * max_batch_, State{0, static_cast<position_t>(num_sinks_)});
   }
 
@@ -80,8 +82,9 @@ class SlidingWindowCache {
   /// @throws layer_error, batch_error, shape_error, capacity_error (n > max_append_len);
   ///         the cache is unchanged on throw.
   template <class U>
-  requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
-  float > void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
+  requires(std::same_as<std::remove_const_t<U>, T>&& Element<T>) ||
+      std::same_as<std::remove_const_t<U>, float> void append(std::size_t layer, std::size_t seq,
+                                                              TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     const In kin = k, vin = v;
     detail::check_layer(kName, layer, shape_.num_layers);
@@ -94,7 +97,7 @@ class SlidingWindowCache {
                           "); append in chunks of at most max_append_len tokens or raise it"));
     }
     State& st = state_[layer * max_batch_ + seq];
-    T* base = storage_.data() + slab_offset(layer, seq);
+    const std::size_t base = slab_offset(layer, seq);
     const std::size_t d = shape_.head_dim;
     const std::size_t head_elems = slots_per_seq_ * d;
     const std::size_t v_offset = shape_.num_kv_heads * head_elems;
@@ -105,9 +108,10 @@ class SlidingWindowCache {
       const std::size_t region_end = pos < num_sinks_ ? num_sinks_ : slots_per_seq_;
       const std::size_t run = std::min(n - done, region_end - slot);
       for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
-        T* kdst = base + h * head_elems + slot * d;
-        detail::store_rows(kdst, kin, done, run, h);
-        detail::store_rows(kdst + v_offset, vin, done, run, h);
+        const std::size_t at = base + h * head_elems + slot * d;
+        detail::store_rows(storage_.data() + at, storage_.scale_at(at), kin, done, run, h);
+        detail::store_rows(storage_.data() + at + v_offset, storage_.scale_at(at + v_offset), vin,
+                           done, run, h);
       }
       done += run;
     }
@@ -228,12 +232,10 @@ class SlidingWindowCache {
     const std::size_t head_elems = slots_per_seq_ * shape_.head_dim;
     const std::size_t v_offset = shape_.num_kv_heads * head_elems;
     for (const LayerRestore<T>& e : entries) {
-      T* base = storage_.data() + slab_offset(e.layer, e.seq);
-      const std::size_t held = e.held();
+      const std::size_t base = slab_offset(e.layer, e.seq);
       auto copy = [&](std::size_t slot, std::size_t src_first, std::size_t n) {
-        detail::copy_packed_rows(base, head_elems, slot, e.k.data(), held, src_first, n, shape_);
-        detail::copy_packed_rows(base + v_offset, head_elems, slot, e.v.data(), held, src_first, n,
-                                 shape_);
+        detail::restore_rows(storage_, base, base + v_offset, head_elems, slot, e, src_first, n,
+                             shape_);
       };
       const std::size_t sink_end = static_cast<std::size_t>(e.sink_end);
       copy(0, 0, sink_end);
@@ -270,10 +272,12 @@ class SlidingWindowCache {
 
   // The layer as a ring layout (slab_offset's).
   [[nodiscard]] KVLayout<T> layout(std::size_t layer) const noexcept {
-    return slab_layout(storage_.data() + slab_offset(layer, 0), static_cast<int>(max_batch_),
+    const std::size_t at = slab_offset(layer, 0);
+    const scale_type* scales = scaled_v<T> ? storage_.scales() + at / shape_.head_dim : nullptr;
+    return slab_layout(storage_.data() + at, static_cast<int>(max_batch_),
                        static_cast<int>(shape_.num_kv_heads), static_cast<int>(shape_.head_dim),
                        static_cast<std::int64_t>(slots_per_seq_), static_cast<int>(num_sinks_),
-                       static_cast<int>(ring_len_));
+                       static_cast<int>(ring_len_), scales);
   }
 
   // Layout: [layer][seq][K, V][kv_head][num_sinks + ring_len][head_dim].
@@ -288,12 +292,14 @@ class SlidingWindowCache {
   std::size_t max_append_len_;
   std::size_t ring_len_ = 0;
   std::size_t slots_per_seq_ = 0;
-  AlignedBuffer<T> storage_;
+  RowBuffer<T> storage_;
   std::vector<State> state_;  // [layer][seq]
 };
 
 static_assert(CacheConcept<SlidingWindowCache<float>>);
 static_assert(CacheConcept<SlidingWindowCache<half>>);
 static_assert(CacheConcept<SlidingWindowCache<bfloat16>>);
+static_assert(CacheConcept<SlidingWindowCache<qint8>>);
+static_assert(CacheConcept<SlidingWindowCache<fp8_e4m3>>);
 
 }  // namespace kvcache

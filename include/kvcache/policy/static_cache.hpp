@@ -25,9 +25,10 @@ struct StaticCacheConfig {
 };
 
 /// Fixed-capacity cache: one contiguous [num_kv_heads][max_seq_len][head_dim] K array and one V
-/// array per (layer, sequence). memory_bytes() == kv_cache_bytes(shape, max_seq_len, max_batch)
-/// from construction on; append, crop and reset never allocate.
-template <Element T>
+/// array per (layer, sequence), of any storage format T (float, half, bfloat16, or qint8 /
+/// fp8_e4m3 codes with a scale per row). memory_bytes() == kv_cache_bytes(shape, max_seq_len,
+/// max_batch) from construction on; append, crop and reset never allocate.
+template <KVElement T>
 class StaticCache {
  public:
   using value_type = T;
@@ -47,8 +48,9 @@ class StaticCache {
     detail::require_int(config.num_kv_heads, kName, "num_kv_heads");
     detail::require_int(config.head_dim, kName, "head_dim");
     detail::require_int(config.max_batch, kName, "max_batch");
-    const std::size_t bytes = kv_cache_bytes(shape_, max_seq_len_, max_batch_);
-    storage_ = AlignedBuffer<T>(bytes / sizeof(T));
+    (void)kv_cache_bytes(shape_, max_seq_len_, max_batch_);  // throws if it overflows
+    storage_ = RowBuffer<T>(2 * shape_.num_layers * max_batch_ * shape_.num_kv_heads * max_seq_len_,
+                            shape_.head_dim);
     lengths_.assign(shape_.num_layers * max_batch_, 0);
   }
 
@@ -57,8 +59,9 @@ class StaticCache {
   /// @throws layer_error, batch_error, shape_error, capacity_error (appending past max_seq_len);
   ///         the cache is unchanged on throw.
   template <class U>
-  requires std::same_as<std::remove_const_t<U>, T> || std::same_as < std::remove_const_t<U>,
-  float > void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
+  requires(std::same_as<std::remove_const_t<U>, T>&& Element<T>) ||
+      std::same_as<std::remove_const_t<U>, float> void append(std::size_t layer, std::size_t seq,
+                                                              TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     const In kin = k, vin = v;
     detail::check_layer(kName, layer, shape_.num_layers);
@@ -70,13 +73,13 @@ class StaticCache {
                                            " layer ", layer, " exceeds max_seq_len ", max_seq_len_,
                                            " (holds ", len, ")"));
     }
-    T* base = storage_.data() + slab_offset(layer, seq);
     const std::size_t head_elems = max_seq_len_ * shape_.head_dim;
     const std::size_t v_offset = shape_.num_kv_heads * head_elems;
     for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
-      T* kdst = base + h * head_elems + len * shape_.head_dim;
-      detail::store_rows(kdst, kin, 0, n, h);
-      detail::store_rows(kdst + v_offset, vin, 0, n, h);
+      const std::size_t at = slab_offset(layer, seq) + h * head_elems + len * shape_.head_dim;
+      detail::store_rows(storage_.data() + at, storage_.scale_at(at), kin, 0, n, h);
+      detail::store_rows(storage_.data() + at + v_offset, storage_.scale_at(at + v_offset), vin, 0,
+                         n, h);
     }
     len += n;
   }
@@ -133,11 +136,9 @@ class StaticCache {
     detail::check_whole_restore(kName, entries, max_seq_len_);
     const std::size_t head_elems = max_seq_len_ * shape_.head_dim;
     for (const LayerRestore<T>& e : entries) {
-      T* base = storage_.data() + slab_offset(e.layer, e.seq);
-      const std::size_t n = e.held();
-      detail::copy_packed_rows(base, head_elems, 0, e.k.data(), n, 0, n, shape_);
-      detail::copy_packed_rows(base + shape_.num_kv_heads * head_elems, head_elems, 0, e.v.data(),
-                               n, 0, n, shape_);
+      const std::size_t at = slab_offset(e.layer, e.seq), n = e.held();
+      detail::restore_rows(storage_, at, at + shape_.num_kv_heads * head_elems, head_elems, 0, e, 0,
+                           n, shape_);
       lengths_[e.layer * max_batch_ + e.seq] = n;
     }
   }
@@ -148,9 +149,11 @@ class StaticCache {
   // Layout: [layer][seq][K, V][kv_head][max_seq_len][head_dim].
   // The layer as a contiguous layout (slab_offset's).
   [[nodiscard]] KVLayout<T> layout(std::size_t layer) const noexcept {
-    return slab_layout(storage_.data() + slab_offset(layer, 0), static_cast<int>(max_batch_),
+    const std::size_t at = slab_offset(layer, 0);
+    const scale_type* scales = scaled_v<T> ? storage_.scales() + at / shape_.head_dim : nullptr;
+    return slab_layout(storage_.data() + at, static_cast<int>(max_batch_),
                        static_cast<int>(shape_.num_kv_heads), static_cast<int>(shape_.head_dim),
-                       static_cast<std::int64_t>(max_seq_len_));
+                       static_cast<std::int64_t>(max_seq_len_), 0, 0, scales);
   }
 
   [[nodiscard]] std::size_t slab_offset(std::size_t layer, std::size_t seq) const noexcept {
@@ -160,12 +163,14 @@ class StaticCache {
   CacheShape shape_;
   std::size_t max_batch_;
   std::size_t max_seq_len_;
-  AlignedBuffer<T> storage_;
+  RowBuffer<T> storage_;
   std::vector<std::size_t> lengths_;  // [layer][seq]
 };
 
 static_assert(CacheConcept<StaticCache<float>>);
 static_assert(CacheConcept<StaticCache<half>>);
 static_assert(CacheConcept<StaticCache<bfloat16>>);
+static_assert(CacheConcept<StaticCache<qint8>>);
+static_assert(CacheConcept<StaticCache<fp8_e4m3>>);
 
 }  // namespace kvcache

@@ -21,7 +21,7 @@ namespace kvcache {
 /// elements, and a segment's heads are block_size * head_dim apart. Knows nothing of tables or
 /// sequences: the caller names blocks. Not thread-safe by itself: concurrent calls must touch
 /// different blocks (BlockManager's rules guarantee it).
-template <Element T>
+template <KVElement T>
 class HostBlocks {
  public:
   HostBlocks() = default;
@@ -31,17 +31,22 @@ class HostBlocks {
       : shape_(shape), block_size_(block_size) {
     block_elems_ = kv_cache_bytes(1, shape.num_kv_heads, shape.head_dim, block_size, 1);
     layer_elems_ = detail::checked_mul(num_blocks, block_elems_, name);
-    storage_ = AlignedBuffer<T>(
-        kv_cache_bytes(shape, detail::checked_mul(num_blocks, block_size, name)) / sizeof(T));
+    (void)kv_cache_bytes(shape, detail::checked_mul(num_blocks, block_size, name));  // overflow
+    storage_ = RowBuffer<T>(shape.num_layers * layer_elems_ / shape.head_dim, shape.head_dim);
   }
 
   /// Layer `layer`'s first block.
   [[nodiscard]] const T* layer_base(std::size_t layer) const noexcept {
     return storage_.data() + layer * layer_elems_;
   }
+  /// Layer `layer`'s first block's row scales ([block][K, V][kv_head][block_size]), for a quantized
+  /// format; null otherwise.
+  [[nodiscard]] const scale_type* layer_scales(std::size_t layer) const noexcept {
+    return scaled_v<T> ? storage_.scales() + layer * layer_elems_ / shape_.head_dim : nullptr;
+  }
   /// Elements from one block of a layer to the next (its K and V).
   [[nodiscard]] std::size_t block_elems() const noexcept { return block_elems_; }
-  /// Bytes of every block of every layer.
+  /// Bytes of every block of every layer, row scales included.
   [[nodiscard]] std::size_t bytes() const noexcept { return storage_.bytes(); }
 
   /// Writes tokens [position, position + k.num_tokens) of one layer into the blocks of `table`
@@ -55,11 +60,12 @@ class HostBlocks {
       const std::size_t pos = position + done;
       const std::size_t in_block = pos % block_size_;
       const std::size_t run = std::min(k.num_tokens - done, block_size_ - in_block);
-      T* base = block(layer, table[pos / block_size_]);
+      const std::size_t base = offset(layer, table[pos / block_size_]);
       for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
-        T* kdst = base + h * head_elems + in_block * d;
-        detail::store_rows(kdst, k, done, run, h);
-        detail::store_rows(kdst + v_offset, v, done, run, h);
+        const std::size_t at = base + h * head_elems + in_block * d;
+        detail::store_rows(storage_.data() + at, storage_.scale_at(at), k, done, run, h);
+        detail::store_rows(storage_.data() + at + v_offset, storage_.scale_at(at + v_offset), v,
+                           done, run, h);
       }
       done += run;
     }
@@ -72,10 +78,13 @@ class HostBlocks {
     for (std::size_t l = 0; l < shape_.num_layers; ++l) {
       const std::size_t n = rows(l);
       if (n == 0) continue;
-      const T* src = block(l, from);
-      T* dst = block(l, to);
+      const std::size_t src = offset(l, from), dst = offset(l, to);
       for (std::size_t h = 0; h < 2 * shape_.num_kv_heads; ++h) {  // K heads, then V heads
-        std::copy_n(src + h * head_elems, n * d, dst + h * head_elems);
+        const std::size_t at = h * head_elems;
+        std::copy_n(storage_.data() + src + at, n * d, storage_.data() + dst + at);
+        if constexpr (scaled_v<T>) {
+          std::copy_n(storage_.scale_at(src + at), n, storage_.scale_at(dst + at));
+        }
       }
     }
   }
@@ -84,22 +93,22 @@ class HostBlocks {
   /// block `index` of a sequence restored from `e` (whose K/V is packed, PagedCache holding
   /// every position). @pre e.sink_end == e.recent_begin == 0.
   void fill_block(const LayerRestore<T>& e, std::size_t index, block_id b) noexcept {
-    detail::fill_packed_block(block(e.layer, b), block_size_, shape_, e, index);
+    const std::size_t at = offset(e.layer, b);
+    detail::fill_packed_block(storage_.data() + at, storage_.scale_at(at), block_size_, shape_, e,
+                              index);
   }
 
  private:
-  [[nodiscard]] T* block(std::size_t layer, block_id b) noexcept {
-    return storage_.data() + layer * layer_elems_ + std::size_t{b} * block_elems_;
-  }
-  [[nodiscard]] const T* block(std::size_t layer, block_id b) const noexcept {
-    return storage_.data() + layer * layer_elems_ + std::size_t{b} * block_elems_;
+  // Element offset of block b of `layer`.
+  [[nodiscard]] std::size_t offset(std::size_t layer, block_id b) const noexcept {
+    return layer * layer_elems_ + std::size_t{b} * block_elems_;
   }
 
   CacheShape shape_{};
   std::size_t block_size_ = 1;
   std::size_t block_elems_ = 0;  // one block of one layer: K and V
   std::size_t layer_elems_ = 0;  // all blocks of one layer
-  AlignedBuffer<T> storage_;
+  RowBuffer<T> storage_;
 };
 
 }  // namespace kvcache

@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: Apache-2.0
+// Storage formats of K/V rows: how a row of head_dim floats is written into a cache and read
+// back. f32, f16 and bf16 rows are the elements themselves; int8 and fp8 (e4m3) rows are codes
+// plus one scale per (token, KV head) row, value = code x scale. The scales live beside the codes
+// in an array of their own, one per row, indexed by row offset / head_dim (see KVLayout).
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+
+#include "kvcache/core/dtype.hpp"
+
+namespace kvcache {
+
+/// The type of a quantized row's scale. bfloat16 has float's range, so no row of finite floats
+/// overflows its scale, and 2 bytes keep an int8 or fp8 row of head_dim >= 64 within 0.53 of a
+/// half row (head_dim + 2 bytes against 2 x head_dim).
+using scale_type = bfloat16;
+
+/// True for the formats whose rows carry a scale.
+template <KVElement T>
+inline constexpr bool scaled_v = QuantizedElement<T>;
+
+/// The largest code magnitude of a quantized format: 127 for int8 (symmetric), 448 for fp8.
+template <QuantizedElement T>
+inline constexpr float code_max = std::same_as<T, qint8> ? 127.0f : fp8_e4m3::max_finite;
+
+/// The code nearest to x (round to nearest even) for x within +-code_max<T> (int8: clamped to
+/// +-127; fp8: saturated at +-448).
+template <QuantizedElement T>
+[[nodiscard]] inline T encode(float x) noexcept {
+  if constexpr (std::same_as<T, qint8>) {
+    const float r = std::nearbyint(std::clamp(x, -127.0f, 127.0f));  // default mode: to even
+    return qint8(static_cast<std::int8_t>(r));
+  } else {
+    return fp8_e4m3(x);
+  }
+}
+
+/// A code's value (exact); the row's value is this times its scale.
+template <QuantizedElement T>
+[[nodiscard]] constexpr float decode(T code) noexcept {
+  return static_cast<float>(code);
+}
+
+/// The scale of a row whose largest magnitude is `amax`: amax / code_max<T> rounded up to a
+/// bfloat16, so that no finite value of the row exceeds code_max x scale and its codes need no
+/// clamping. 0 for a row of zeros; NaN when amax is inf or NaN (a non-finite row).
+template <QuantizedElement T>
+[[nodiscard]] constexpr scale_type row_scale(float amax) noexcept {
+  if (!(amax <= 3.4028235e38f)) return scale_type::from_bits(0x7fc0u);  // inf or NaN
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(amax / code_max<T>);
+  const auto top = static_cast<std::uint16_t>(u >> 16);
+  return scale_type::from_bits(static_cast<std::uint16_t>((u & 0xffffu) != 0 ? top + 1 : top));
+}
+
+/// Writes one row of d floats in format T: for an Element, the values rounded to T (nearest even,
+/// as convert_from_float); for a quantized format, codes = round-to-nearest-even(x / scale) with
+/// scale = row_scale(max |x|), and *scale set. A row holding an inf or NaN gets a NaN scale and
+/// zero codes: every value of it reads back as NaN (attention then gives NaN for the queries that
+/// see it, as with an unquantized inf or NaN). `scale` is unused (may be null) for Elements.
+template <KVElement T>
+void quantize_row(const float* in, std::size_t d, T* out, scale_type* scale) noexcept {
+  if constexpr (Element<T>) {
+    convert_from_float(std::span<const float>(in, d), out);
+  } else {
+    float amax = 0.0f;
+    bool finite = true;
+    for (std::size_t x = 0; x < d; ++x) {
+      finite = finite && std::isfinite(in[x]);
+      amax = std::max(amax, std::fabs(in[x]));
+    }
+    const scale_type s = row_scale<T>(finite ? amax : std::numeric_limits<float>::quiet_NaN());
+    *scale = s;
+    const float sf = static_cast<float>(s);
+    if (!finite || sf == 0.0f) {
+      std::fill(out, out + d, T{});
+      return;
+    }
+    const float inv = 1.0f / sf;
+    for (std::size_t x = 0; x < d; ++x) out[x] = encode<T>(in[x] * inv);
+  }
+}
+
+/// Reads one row of d elements of format T back as floats: the elements, or codes x scale.
+template <KVElement T>
+void dequantize_row(const T* in, const scale_type* scale, std::size_t d, float* out) noexcept {
+  if constexpr (Element<T>) {
+    (void)scale;
+    convert_to_float(std::span<const T>(in, d), out);
+  } else {
+    const auto s = static_cast<float>(*scale);
+    for (std::size_t x = 0; x < d; ++x) out[x] = decode(in[x]) * s;
+  }
+}
+
+namespace detail {
+
+/// Writes n rows of d elements of an append block (element type U: T itself, or float) in format
+/// T: copied when U is T, else written with quantize_row, one scale per row into `scales` for a
+/// quantized T (unused otherwise). Source rows `src_stride` elements apart, dst rows d apart.
+template <KVElement T, Element U>
+requires std::same_as<U, T> || std::same_as<U, float>
+void write_rows(T* dst, scale_type* scales, const U* src, std::size_t src_stride, std::size_t n,
+                std::size_t d) noexcept {
+  for (std::size_t t = 0; t < n; ++t) {
+    const U* row = src + t * src_stride;
+    if constexpr (std::same_as<U, T>) {
+      std::copy(row, row + d, dst + t * d);
+    } else {
+      quantize_row(row, d, dst + t * d, scales != nullptr ? scales + t : nullptr);
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace kvcache
