@@ -83,6 +83,10 @@ running:
                         dynamic, system-prompt static, rag dynamic, generate dynamic).
                         paged: a block pool with automatic prefix caching; every request
                         submits its whole prompt and reuses what any earlier one cached
+  --kv-format F          K/V storage of the cached scenarios: f32 (default) | f16 | bf16 |
+                        int8 | fp8 (quantized: codes plus a scale per token and head, about
+                        half of f16's memory); the summary shows each cache's memory. The
+                        sliding scenario keeps f32 (it checks bits against an uncached pass)
   --threads N           threads for GEMMs and attention (default: all hardware threads)
   --chunk N             prefill chunk: tokens per batched forward pass (default 256)
   --window N --sinks N  sliding window and attention sinks (default 256 and 4)
@@ -135,6 +139,7 @@ struct Options {
   std::optional<kvcache::PositionMode> positions;
   std::optional<std::string> stories_dir;
   std::size_t block_size = 16;
+  kvcache::DType kv_format = kvcache::DType::f32;
   llama::SamplerConfig sampler{};
   bool top_p_given = false;
   std::optional<std::string> prompt;
@@ -205,6 +210,8 @@ Options parse_args(int argc, char** argv) {
       o.no_tokenizer = true;
     } else if (a == "--cache") {
       o.cache = llama::parse_cache_kind(value(a));
+    } else if (a == "--kv-format") {
+      o.kv_format = llama::parse_kv_format(value(a));
     } else if (a == "--threads") {
       o.threads = parse_count(a, value(a));
     } else if (a == "--chunk") {
@@ -332,8 +339,14 @@ struct Context {
   ProgressLine progress;
 
   [[nodiscard]] const llama::Tokenizer* tok() const { return tokenizer ? &*tokenizer : nullptr; }
+  /// The summary's name of a cache: its policy, and its K/V format unless f32.
+  [[nodiscard]] std::string cache_label(const std::string& policy) const {
+    return opt.kv_format == kvcache::DType::f32 ? policy
+                                                : policy + "/" + kvcache::dtype_name(opt.kv_format);
+  }
   [[nodiscard]] llama::CacheParams cache_params() const {
-    return {.window = opt.window,
+    return {.format = opt.kv_format,
+            .window = opt.window,
             .num_sink_tokens = opt.sinks,
             .max_append_len = std::min<std::size_t>(opt.chunk, 64),
             .block_size = opt.block_size};
@@ -418,6 +431,7 @@ void load(Context& ctx) {
 
 struct SummaryRow {
   std::string scenario, cache;
+  std::size_t cache_bytes = 0;  ///< the scenario's cache memory_bytes() at the end (0: none)
   double ttft_cached = 0, ttft_uncached = 0, decode_cached = 0, decode_uncached = 0;
   std::string check;
   bool ok = true;
@@ -488,7 +502,8 @@ SummaryRow chat(Context& ctx, const std::string& stage, bool details) {
   const auto& last = r.rows.back();
   SummaryRow row{
       .scenario = fmt::format("1 chat, turn {} of {}", r.rows.size(), r.rows.size()),
-      .cache = r.cache,
+      .cache = ctx.cache_label(r.cache),
+      .cache_bytes = last.cache_bytes,
       .ttft_cached = last.ttft_cached_s,
       .ttft_uncached = last.ttft_uncached_s,
       .decode_cached = last.decode_cached_tps,
@@ -563,7 +578,8 @@ SummaryRow shared_prefix(Context& ctx, const std::string& stage, bool rag, bool 
   SummaryRow row{
       .scenario = automatic ? (rag ? "3b RAG, prefix hits, mean" : "2c system, prefix hits, mean")
                             : (rag ? "3 RAG, mean per question" : "2 system prompt, mean/request"),
-      .cache = r.cache,
+      .cache = ctx.cache_label(r.cache),
+      .cache_bytes = r.rows.back().cache_bytes,
       .ttft_cached = mean(hits, &llama::RequestRow::ttft_cached_s),
       .ttft_uncached = mean(hits, &llama::RequestRow::ttft_uncached_s),
       .decode_cached = mean(hits, &llama::RequestRow::decode_cached_tps),
@@ -677,7 +693,7 @@ SummaryRow serve_from_snapshot(Context& ctx, const std::filesystem::path& path, 
   }
   const std::size_t same = count(r.rows, [](const auto& x) { return x.identical; });
   return {.scenario = "2b from disk, 1st request",
-          .cache = r.cache,
+          .cache = ctx.cache_label(r.cache),
           .ttft_cached = r.first_ttft_s(),
           .ttft_uncached = first.ttft_recompute_s,
           .decode_cached = first.decode_disk_tps,
@@ -931,6 +947,7 @@ SummaryRow sliding(Context& ctx, const std::string& stage, bool details) {
   SummaryRow row{
       .scenario = fmt::format("4 sliding, to position {}", last.length),
       .cache = "sliding",
+      .cache_bytes = first.memory_bytes,
       .ttft_cached = r.ttft_cached_s,
       .ttft_uncached = r.ttft_uncached_s,
       .decode_cached = r.decode_cached_tps,
@@ -959,15 +976,17 @@ SummaryRow sliding(Context& ctx, const std::string& stage, bool details) {
 }
 
 void print_summary(const std::vector<SummaryRow>& rows) {
-  fmt::print("{:<30} {:<8} {:>11} {:>13} {:>8} {:>12} {:>10}  {}\n", "scenario", "cache",
-             "TTFT cached", "TTFT uncached", "speedup", "tok/s cached", "uncached", "check");
-  fmt::print("{}\n", std::string(128, '-'));
+  fmt::print("{:<30} {:<12} {:>10} {:>11} {:>13} {:>8} {:>12} {:>10}  {}\n", "scenario", "cache",
+             "K/V memory", "TTFT cached", "TTFT uncached", "speedup", "tok/s cached", "uncached",
+             "check");
+  fmt::print("{}\n", std::string(143, '-'));
   for (const auto& r : rows) {
     const std::string speedup =
         r.ttft_speedup ? fmt::format("{:.1f}x", r.ttft_uncached / r.ttft_cached) : std::string("-");
-    fmt::print("{:<30} {:<8} {:>11} {:>13} {:>8} {:>12} {:>10}  {}{}\n", r.scenario, r.cache,
-               ms(r.ttft_cached), ms(r.ttft_uncached), speedup, tps(r.decode_cached),
-               tps(r.decode_uncached), r.ok ? "" : "FAILED: ", r.check);
+    const std::string memory = r.cache_bytes != 0 ? mib(r.cache_bytes) : std::string("-");
+    fmt::print("{:<30} {:<12} {:>10} {:>11} {:>13} {:>8} {:>12} {:>10}  {}{}\n", r.scenario,
+               r.cache, memory, ms(r.ttft_cached), ms(r.ttft_uncached), speedup,
+               tps(r.decode_cached), tps(r.decode_uncached), r.ok ? "" : "FAILED: ", r.check);
   }
   fmt::print("\n");
   for (const auto& r : rows) {
@@ -976,7 +995,10 @@ void print_summary(const std::vector<SummaryRow>& rows) {
   fmt::print(
       "\nuncached = no KV cache: the prompt (or the whole chat history) is prefilled from "
       "scratch, and every decoded\ntoken runs the model over the whole sequence again. "
-      "speedup = TTFT uncached / TTFT cached (-: the same\nprefill both ways); tok/s = decode.\n");
+      "speedup = TTFT uncached / TTFT cached (-: the same\nprefill both ways); tok/s = decode. "
+      "K/V memory = the cache's memory_bytes() at the end\n(--kv-format int8 or fp8: about half "
+      "of f16's; each uncached pass then holds its K/V in that format too, so the checks stay "
+      "exact).\n");
 }
 
 int generate(Context& ctx) {

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // What the engine asks of a cache policy beyond CacheConcept (its attention window and append
-// limit, read from the policy when it has them), and the runtime choice of policy (--cache):
-// a CacheKind and with_cache(), which builds the cache and hands it to a generic lambda. The
+// limit, read from the policy when it has them), and the runtime choice of policy (--cache) and
+// K/V format (--kv-format): a CacheKind, a DType and with_cache(), which builds the cache and
+// hands it to a generic lambda. The
 // paged policy (PagedCache, automatic prefix caching) is a kvcache::PrefixCacheConcept: callers
 // serve it by admit()-ing whole prompts instead of wrapping it in a TokenTrackedCache.
 #pragma once
@@ -11,6 +12,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "kvcache/core/cache_concept.hpp"
 #include "kvcache/policy/dynamic_cache.hpp"
@@ -88,8 +90,42 @@ enum class CacheKind { dynamic, static_cache, sliding, paged };
                     ": unknown cache policy; supported: dynamic, static, sliding, paged");
 }
 
+/// The K/V storage formats selectable at run time (--kv-format), by their dtype_name().
+inline constexpr kvcache::DType kKvFormats[] = {kvcache::DType::f32, kvcache::DType::f16,
+                                                kvcache::DType::bf16, kvcache::DType::i8,
+                                                kvcache::DType::e4m3};
+
+/// @throws usage_error listing the supported names.
+[[nodiscard]] inline kvcache::DType parse_kv_format(std::string_view name) {
+  for (kvcache::DType d : kKvFormats) {
+    if (name == kvcache::dtype_name(d)) return d;
+  }
+  throw usage_error("--kv-format " + std::string(name) +
+                    ": unknown K/V format; supported: f32, f16, bf16, int8, fp8");
+}
+
+/// Calls f(std::type_identity<T>{}) with the storage type of format `d` (one of kKvFormats).
+template <class F>
+decltype(auto) with_kv_format(kvcache::DType d, F&& f) {
+  switch (d) {
+    case kvcache::DType::f16:
+      return f(std::type_identity<kvcache::half>{});
+    case kvcache::DType::bf16:
+      return f(std::type_identity<kvcache::bfloat16>{});
+    case kvcache::DType::i8:
+      return f(std::type_identity<kvcache::qint8>{});
+    case kvcache::DType::e4m3:
+      return f(std::type_identity<kvcache::fp8_e4m3>{});
+    case kvcache::DType::f32:
+      break;
+  }
+  return f(std::type_identity<float>{});
+}
+
 /// What with_cache() needs to size a cache; each policy reads the fields it uses.
 struct CacheParams {
+  /// How K/V is stored: f32 (the reference), f16, bf16, or quantized int8 / fp8.
+  kvcache::DType format = kvcache::DType::f32;
   std::size_t max_batch = 1;
   /// static: slots per sequence; dynamic: limit (0 = unbounded).
   std::size_t max_seq_len = 0;
@@ -112,56 +148,65 @@ struct CacheParams {
   }
 };
 
-/// Builds a cache of policy `kind` (float elements) shaped for `model` and returns f(cache).
-/// paged with max_seq_len 0 is sized for the model's seq_len.
-/// Every branch instantiates f for its policy type, so f must be generic (auto&) and return the
-/// same type for each. @throws what the policy's constructor throws (shape_error, bad_alloc).
-template <class F>
-decltype(auto) with_cache(CacheKind kind, const Model& model, const CacheParams& p, F&& f) {
+/// Builds a cache of policy `kind` storing T (p.format is not read), shaped for `model`, and
+/// returns f(cache). paged with max_seq_len 0 is sized for the model's seq_len.
+/// Every branch instantiates f for its policy and format, so f must be generic (auto&) and
+/// return the same type for each. @throws what the policy's constructor throws (shape_error,
+/// bad_alloc).
+template <kvcache::KVElement T, class F>
+decltype(auto) with_cache_as(CacheKind kind, const Model& model, const CacheParams& p, F&& f) {
   const ModelConfig& c = model.config();
   switch (kind) {
     case CacheKind::static_cache: {
-      kvcache::StaticCache<float> cache({.num_layers = c.num_layers,
-                                         .num_kv_heads = c.num_kv_heads,
-                                         .head_dim = c.head_dim(),
-                                         .max_batch = p.max_batch,
-                                         .max_seq_len = p.max_seq_len});
+      kvcache::StaticCache<T> cache({.num_layers = c.num_layers,
+                                     .num_kv_heads = c.num_kv_heads,
+                                     .head_dim = c.head_dim(),
+                                     .max_batch = p.max_batch,
+                                     .max_seq_len = p.max_seq_len});
       return f(cache);
     }
     case CacheKind::sliding: {
-      kvcache::SlidingWindowCache<float> cache({.num_layers = c.num_layers,
-                                                .num_kv_heads = c.num_kv_heads,
-                                                .head_dim = c.head_dim(),
-                                                .max_batch = p.max_batch,
-                                                .window = p.window,
-                                                .num_sink_tokens = p.num_sink_tokens,
-                                                .max_append_len = p.max_append_len});
+      kvcache::SlidingWindowCache<T> cache({.num_layers = c.num_layers,
+                                            .num_kv_heads = c.num_kv_heads,
+                                            .head_dim = c.head_dim(),
+                                            .max_batch = p.max_batch,
+                                            .window = p.window,
+                                            .num_sink_tokens = p.num_sink_tokens,
+                                            .max_append_len = p.max_append_len});
       return f(cache);
     }
     case CacheKind::paged: {
       const std::size_t seq_len =
           std::max<std::size_t>(1, p.max_seq_len != 0 ? p.max_seq_len : c.seq_len);
-      kvcache::PagedCache<float> cache({.num_layers = c.num_layers,
-                                        .num_kv_heads = c.num_kv_heads,
-                                        .head_dim = c.head_dim(),
-                                        .num_blocks = p.paged_num_blocks(seq_len),
-                                        .block_size = p.block_size,
-                                        .max_batch = p.max_batch,
-                                        .max_seq_len = seq_len,
-                                        .evict_when_full = true});
+      kvcache::PagedCache<T> cache({.num_layers = c.num_layers,
+                                    .num_kv_heads = c.num_kv_heads,
+                                    .head_dim = c.head_dim(),
+                                    .num_blocks = p.paged_num_blocks(seq_len),
+                                    .block_size = p.block_size,
+                                    .max_batch = p.max_batch,
+                                    .max_seq_len = seq_len,
+                                    .evict_when_full = true});
       return f(cache);
     }
     case CacheKind::dynamic:
     default: {
-      kvcache::DynamicCache<float> cache({.num_layers = c.num_layers,
-                                          .num_kv_heads = c.num_kv_heads,
-                                          .head_dim = c.head_dim(),
-                                          .max_batch = p.max_batch,
-                                          .max_seq_len = p.max_seq_len,
-                                          .chunk_len = p.chunk_len});
+      kvcache::DynamicCache<T> cache({.num_layers = c.num_layers,
+                                      .num_kv_heads = c.num_kv_heads,
+                                      .head_dim = c.head_dim(),
+                                      .max_batch = p.max_batch,
+                                      .max_seq_len = p.max_seq_len,
+                                      .chunk_len = p.chunk_len});
       return f(cache);
     }
   }
+}
+
+/// with_cache_as() in the format p.format names.
+template <class F>
+decltype(auto) with_cache(CacheKind kind, const Model& model, const CacheParams& p, F&& f) {
+  return with_kv_format(p.format, [&](auto format) -> decltype(auto) {
+    return with_cache_as<typename decltype(format)::type>(kind, model, p, f);
+  });
 }
 
 }  // namespace llama

@@ -116,8 +116,17 @@ class Engine {
   /// @throws as forward().
   std::span<const float> forward_uncached(std::span<const token_id> tokens,
                                           const AttentionWindow& window = {}) {
-    scratch_.reset(0);
-    return forward(scratch_, 0, tokens, window);
+    return forward_uncached(scratch_, tokens, window);
+  }
+
+  /// forward_uncached() with the pass's K/V held in `scratch` (sequence 0, emptied first): a
+  /// cache of another storage format (f16, int8, ...) makes the pass store K/V exactly as a
+  /// cache of that format does, so that it recomputes that cache's results bit for bit.
+  template <kvcache::CacheConcept C>
+  std::span<const float> forward_uncached(C& scratch, std::span<const token_id> tokens,
+                                          const AttentionWindow& window = {}) {
+    scratch.reset(0);
+    return forward(scratch, 0, tokens, window);
   }
 
  private:

@@ -234,14 +234,16 @@ inline ServeResult serve_from_snapshot(Engine& engine, PromptSource& source,
         if constexpr (kPrefixCache) cache.release(0);  // the previous request (or the load)
         Sampler disk_sampler(o.sampler), scratch_sampler(o.sampler);
         const Generation d = generate(engine, cache, 0, prompt, limits, disk_sampler);
-        const Generation s = with_cache(o.cache, engine.model(), params, [&](auto& fresh_raw) {
-          if constexpr (kvcache::PrefixCacheConcept<std::remove_cvref_t<decltype(fresh_raw)>>) {
-            return generate(engine, fresh_raw, 0, prompt, limits, scratch_sampler);
-          } else {
-            kvcache::TokenTrackedCache fresh(std::move(fresh_raw));
-            return generate(engine, fresh, 0, prompt, limits, scratch_sampler);
-          }
-        });
+        using Format = typename std::remove_cvref_t<decltype(raw)>::value_type;
+        const Generation s =
+            with_cache_as<Format>(o.cache, engine.model(), params, [&](auto& fresh_raw) {
+              if constexpr (kvcache::PrefixCacheConcept<std::remove_cvref_t<decltype(fresh_raw)>>) {
+                return generate(engine, fresh_raw, 0, prompt, limits, scratch_sampler);
+              } else {
+                kvcache::TokenTrackedCache fresh(std::move(fresh_raw));
+                return generate(engine, fresh, 0, prompt, limits, scratch_sampler);
+              }
+            });
         result.rows.push_back({.prompt_tokens = prompt.size(),
                                .disk_computed = d.prompt_computed,
                                .ttft_disk_s = d.ttft_s,

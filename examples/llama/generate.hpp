@@ -12,6 +12,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvcache/attention/options.hpp"
@@ -157,19 +158,29 @@ Generation generate(Engine& engine, C& cache, std::size_t seq, std::span<const t
 /// each later one from a forward pass over prompt + everything generated so far (attending with
 /// `window` where given, so it can stand in for a sliding window cache).
 /// @pre !prompt.empty(). @throws as Engine::forward.
-inline Generation generate_uncached(Engine& engine, std::span<const token_id> prompt,
-                                    const GenerateLimits& limits, Sampler& sampler,
-                                    const AttentionWindow& window = {}) {
+/// Each pass's K/V is held in float (the engine's scratch cache), or in `scratch`, a cache of the
+/// storage format to recompute.
+template <class Scratch = void>
+Generation generate_uncached(Engine& engine, std::span<const token_id> prompt,
+                             const GenerateLimits& limits, Sampler& sampler,
+                             const AttentionWindow& window = {}, Scratch* scratch = nullptr) {
   std::vector<token_id> all(prompt.begin(), prompt.end());
+  auto pass = [&] {
+    if constexpr (std::is_void_v<Scratch>) {
+      return engine.forward_uncached(all, window);
+    } else {
+      return engine.forward_uncached(*scratch, all, window);
+    }
+  };
   return detail::timed_generation(
       prompt, limits, sampler,
       [&](Generation& g) {
         g.prompt_computed = prompt.size();
-        return engine.forward_uncached(all, window);
+        return pass();
       },
       [&](token_id t) {
         all.push_back(t);
-        return engine.forward_uncached(all, window);
+        return pass();
       });
 }
 

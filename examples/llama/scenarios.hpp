@@ -115,8 +115,14 @@ RequestRow serve_both_ways(Engine& engine, TC& cache, std::span<const token_id> 
                            Sampler& uncached_sampler, std::size_t seq = 0) {
   const GenerateLimits limits{.max_new = reply_tokens};
   const Generation c = generate(engine, cache, seq, prompt, limits, cached_sampler);
-  const Generation u =
-      generate_uncached(engine, prompt, limits, uncached_sampler, attention_window(cache));
+  // The uncached passes store each pass's K/V in the cache's format, as the cache stores it.
+  const ModelConfig& m = engine.model().config();
+  kvcache::DynamicCache<typename TC::value_type> scratch({.num_layers = m.num_layers,
+                                                          .num_kv_heads = m.num_kv_heads,
+                                                          .head_dim = m.head_dim(),
+                                                          .chunk_len = 256});
+  const Generation u = generate_uncached(engine, prompt, limits, uncached_sampler,
+                                         attention_window(cache), &scratch);
   return {.prompt_tokens = prompt.size(),
           .cached_computed = c.prompt_computed,
           .ttft_cached_s = c.ttft_s,
