@@ -9,6 +9,7 @@
 #include "kvcache/kvcache.hpp"
 #include "support/cache_helpers.hpp"
 #include "support/catch.hpp"
+#include "support/kernels.hpp"
 #include "support/rng.hpp"
 #include "support/throws.hpp"
 #include "support/tolerance.hpp"
@@ -168,16 +169,18 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("cache-relative positions in a half cache and through the reference agree") {
+TEMPLATE_TEST_CASE(
+    "cache-relative positions in a half, int8 or fp8 cache and through the reference agree", "",
+    half, qint8, fp8_e4m3) {
   auto rng = kvcache::test::make_rng("cache-relative-half");
   const Rope rope({}, kDim);
   const Raw raw = random_raw(rng, 90);
-  SlidingWindowCache<half> cache({.num_layers = 1,
-                                  .num_kv_heads = kKvHeads,
-                                  .head_dim = kDim,
-                                  .window = kWindow,
-                                  .num_sink_tokens = kSinks,
-                                  .max_append_len = 90});
+  SlidingWindowCache<TestType> cache({.num_layers = 1,
+                                      .num_kv_heads = kKvHeads,
+                                      .head_dim = kDim,
+                                      .window = kWindow,
+                                      .num_sink_tokens = kSinks,
+                                      .max_append_len = 90});
   std::vector<position_t> rows(90);
   for (std::size_t i = 0; i < 90; ++i) rows[i] = static_cast<position_t>(i);
   const auto k = rotated(rope, raw.k, kKvHeads * kDim, rows, rows);
@@ -185,10 +188,14 @@ TEST_CASE("cache-relative positions in a half cache and through the reference ag
   cache.append(0, 0, TokenBlock<const float>{k, 90, kKvHeads, kDim},
                TokenBlock<const float>{raw.v, 90, kKvHeads, kDim});
   std::vector<float> fast(q.size()), slow(q.size());
-  attend({q, 90, kQHeads, kDim}, cache.view(0, 0), {fast, 90, kQHeads, kDim}, streaming(rope));
   reference::attend({q, 90, kQHeads, kDim}, cache.view(0, 0), {slow, 90, kQHeads, kDim},
                     streaming(rope));
-  kvcache::test::require_close(fast, slow, Tolerance{2e-5, 2e-5});
+  for (cpu::Kernel kernel : kvcache::test::cpu_kernels(kDim)) {
+    INFO(kvcache::test::kernel_name(kernel) << " kernel");
+    cpu::attend({q, 90, kQHeads, kDim}, cache.view(0, 0), {fast, 90, kQHeads, kDim},
+                streaming(rope), kernel);
+    kvcache::test::require_close(fast, slow, Tolerance{2e-5, 2e-5});
+  }
 }
 
 TEST_CASE("cache-relative positions without the RoPE, or with another head size, are refused") {
