@@ -136,6 +136,32 @@ TEMPLATE_TEST_CASE("quantize_row bounds each code by its row's scale", "[format]
   }
 }
 
+TEMPLATE_TEST_CASE("quantize_row: rows near the bottom of float's range", "[format]", qint8,
+                   fp8_e4m3) {
+  // amax / code_max is a subnormal here (a bfloat16 subnormal scale keeps few bits, so a code
+  // step can reach the row's largest), and 1 / scale would overflow: every value still reads
+  // back finite, within a quarter of the row's largest or one scale step (or as zero where
+  // amax / code_max underflows), and zeros stay zero.
+  using T = TestType;
+  for (float tiny : {1e-37f, 1e-38f, 1e-40f, 1e-44f}) {
+    // below code_max x the smallest subnormal the scale underflows to 0: the row reads as zeros
+    const bool underflows = tiny / code_max<T> == 0.0f;
+    std::vector<float> x = {tiny, -tiny / 2, 0.0f, tiny / 8, -tiny, 0.0f, tiny / 3, -0.0f};
+    std::vector<T> codes(x.size());
+    std::vector<float> back(x.size());
+    scale_type scale;
+    quantize_row(x.data(), x.size(), codes.data(), &scale);
+    dequantize_row(codes.data(), &scale, x.size(), back.data());
+    INFO("largest " << tiny << ", scale " << static_cast<float>(scale));
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      REQUIRE(std::isfinite(back[i]));
+      const float bound = underflows ? tiny : std::max(tiny / 4, static_cast<float>(scale));
+      REQUIRE(std::fabs(back[i] - x[i]) <= bound);
+      if (x[i] == 0.0f) REQUIRE(back[i] == 0.0f);
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("quantize_row: zero rows and non-finite rows", "[format]", qint8, fp8_e4m3) {
   using T = TestType;
   std::vector<float> zeros(16, 0.0f), back(16);

@@ -50,7 +50,9 @@ template <QuantizedElement T>
 
 /// The scale of a row whose largest magnitude is `amax`: amax / code_max<T> rounded up to a
 /// bfloat16, so that no finite value of the row exceeds code_max x scale and its codes need no
-/// clamping. 0 for a row of zeros; NaN when amax is inf or NaN (a non-finite row).
+/// clamping. 0 for a row of zeros, or one so small that amax / code_max underflows (amax below
+/// ~1.8e-43 for int8): such a row reads back as zeros. NaN when amax is inf or NaN (a non-finite
+/// row).
 template <QuantizedElement T>
 [[nodiscard]] constexpr scale_type row_scale(float amax) noexcept {
   if (!(amax <= 3.4028235e38f)) return scale_type::from_bits(0x7fc0u);  // inf or NaN
@@ -82,8 +84,8 @@ void quantize_row(const float* in, std::size_t d, T* out, scale_type* scale) noe
       std::fill(out, out + d, T{});
       return;
     }
-    const float inv = 1.0f / sf;
-    for (std::size_t x = 0; x < d; ++x) out[x] = encode<T>(in[x] * inv);
+    // A division, not a multiply by 1 / sf: that reciprocal overflows for rows below ~4e-37.
+    for (std::size_t x = 0; x < d; ++x) out[x] = encode<T>(in[x] / sf);
   }
 }
 
