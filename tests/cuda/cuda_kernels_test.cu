@@ -72,7 +72,7 @@ kcuda::DeviceBuffer<T> upload(const std::vector<T>& host) {
 }
 
 // Host copy of DeviceKVView::row_offset (same formula, for reading downloaded storage).
-template <Element T>
+template <kvcache::KVElement T>
 std::int64_t host_row_offset(const kcuda::DeviceKVView<T>& v,
                              const std::vector<kvcache::block_id>& table, int seq, int head,
                              std::int64_t pos) {
@@ -108,9 +108,24 @@ kcuda::DeviceCacheConfig device_config(const Twin& t) {
           .num_blocks = t.batch * ((t.capacity + 15) / 16)};
 }
 
+// The values of the device row at element offset `off` of `base`: its elements, or for int8/fp8
+// its codes times the row's scale (from `scales`, one per head_dim elements).
+template <kvcache::KVElement T>
+std::vector<float> stored_row(const T* base, const kvcache::scale_type* scales, std::int64_t off,
+                              std::size_t dim) {
+  const auto raw = download(base + off, dim);
+  std::vector<kvcache::scale_type> scale;
+  if constexpr (kvcache::scaled_v<T>) {
+    scale = download(scales + off / static_cast<std::int64_t>(dim), 1);
+  }
+  std::vector<float> out(dim);
+  kvcache::dequantize_row(raw.data(), scale.empty() ? nullptr : scale.data(), dim, out.data());
+  return out;
+}
+
 // The CPU counterpart: a sliding window for ring, a static cache otherwise (paged storage holds
 // the same logical tokens as a contiguous one).
-template <Element T>
+template <kvcache::KVElement T>
 struct CpuTwin {
   // unique_ptr rather than optional: g++ 12 at -O1 warns (maybe-uninitialized) about the latter
   std::unique_ptr<StaticCache<T>> flat;
@@ -147,7 +162,7 @@ struct CpuTwin {
 
 // Fills both caches with the same random tokens for every sequence (random lengths, appended in
 // random chunks batched over sequences), returning each sequence's token data per layer.
-template <Element T>
+template <kvcache::KVElement T>
 std::vector<std::vector<kvcache::test::TokenKV>> fill(kcuda::DeviceCache<T>& dev, CpuTwin<T>& cpu,
                                                       const Twin& t, std::mt19937_64& rng,
                                                       const std::vector<std::size_t>& lengths) {
@@ -206,7 +221,7 @@ Tolerance prefill_tolerance() {
 
 // Compares every stored K/V element of `dev` with the CPU twin's; returns how many differ and
 // describes the first.
-template <Element T>
+template <kvcache::KVElement T>
 std::size_t count_mismatches(const kcuda::DeviceCache<T>& dev, const CpuTwin<T>& cpu, const Twin& t,
                              std::string& first_mismatch) {
   std::size_t mismatches = 0;
@@ -225,19 +240,17 @@ std::size_t count_mismatches(const kcuda::DeviceCache<T>& dev, const CpuTwin<T>&
           for (std::size_t h = 0; h < t.heads; ++h) {
             const std::int64_t off =
                 host_row_offset(view, table, static_cast<int>(s), static_cast<int>(h), pos[i]);
-            const auto krow = download(view.k + off, t.dim);
-            const auto vrow = download(view.v + off, t.dim);
+            const auto krow = stored_row(view.k, view.k_scale, off, t.dim);
+            const auto vrow = stored_row(view.v, view.v_scale, off, t.dim);
             for (std::size_t d = 0; d < t.dim; ++d) {
               const std::size_t at = (i * t.heads + h) * t.dim + d;
-              if (kvcache::to_float(krow[d]) == ck[at] && kvcache::to_float(vrow[d]) == cvv[at])
-                continue;
+              if (krow[d] == ck[at] && vrow[d] == cvv[at]) continue;
               if (mismatches++ == 0) {
-                first_mismatch =
-                    "layer " + std::to_string(l) + " seq " + std::to_string(s) + " pos " +
-                    std::to_string(pos[i]) + " head " + std::to_string(h) + " dim " +
-                    std::to_string(d) + ": K " + std::to_string(kvcache::to_float(krow[d])) +
-                    " vs " + std::to_string(ck[at]) + ", V " +
-                    std::to_string(kvcache::to_float(vrow[d])) + " vs " + std::to_string(cvv[at]);
+                first_mismatch = "layer " + std::to_string(l) + " seq " + std::to_string(s) +
+                                 " pos " + std::to_string(pos[i]) + " head " + std::to_string(h) +
+                                 " dim " + std::to_string(d) + ": K " + std::to_string(krow[d]) +
+                                 " vs " + std::to_string(ck[at]) + ", V " +
+                                 std::to_string(vrow[d]) + " vs " + std::to_string(cvv[at]);
               }
             }
           }
@@ -250,7 +263,7 @@ std::size_t count_mismatches(const kcuda::DeviceCache<T>& dev, const CpuTwin<T>&
 
 // Fills a DeviceCache and its CPU twin with the same tokens and CHECKs (so that the other
 // layouts are still compared and reported) that every stored element matches.
-template <Element T>
+template <kvcache::KVElement T>
 void check_append(const Twin& t, const std::vector<std::size_t>& lengths, std::mt19937_64& rng) {
   kcuda::DeviceCache<T> dev(device_config(t));
   CpuTwin<T> cpu(t);
@@ -263,7 +276,7 @@ void check_append(const Twin& t, const std::vector<std::size_t>& lengths, std::m
 }
 
 TEMPLATE_TEST_CASE("CUDA append stores exactly what the CPU cache stores", "[cuda]", float,
-                   kvcache::half, bfloat16) {
+                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-append");
   for (kcuda::Layout layout : kLayouts) {
@@ -284,7 +297,7 @@ TEST_CASE("CUDA append of a batch wider than one launch stores every sequence", 
 }
 
 TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", float, kvcache::half,
-                   bfloat16) {
+                   bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-decode");
   struct Case {
@@ -304,11 +317,14 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
   // head_dim, chunked and unchunked groups, both position modes on the ring, every layout and
   // length; the memory errors it looks for do not depend on the other groups' arithmetic, which
   // the plain build checks.
+  // int8 and fp8 run on the fp32 kernel (its other cases check its arithmetic); these cases add
+  // the reading of codes and scales at every head_dim, group chunking and position mode.
 #if defined(__SANITIZE_ADDRESS__)
   const std::vector<std::size_t> picked{0, 1, 3};
 #else
   std::vector<std::size_t> picked(all_cases.size());
   for (std::size_t i = 0; i < picked.size(); ++i) picked[i] = i;
+  if constexpr (kvcache::scaled_v<TestType>) picked = {0, 1, 3};
 #endif
   // long: several splits (and sequences with no keys in most of them), 1 and odd lengths, a
   // block boundary; short: one split, the output written without the merge kernel
@@ -317,7 +333,7 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", f
   // every kernel that serves TestType; the default one sized by a DecodeSetup made once (not
   // queried) every other launch, the others always (a setup is how they are chosen)
   std::vector<kcuda::DecodeKernel> kernels{kcuda::default_decode_kernel<TestType>};
-  if constexpr (!std::is_same_v<TestType, float>) {
+  if constexpr (!kcuda::kCudaCoreDecode<TestType>) {
     kernels.push_back(kcuda::DecodeKernel::tensor_cores_per_warp);
   }
   bool with_setup = false;
@@ -646,6 +662,24 @@ TEST_CASE("CUDA launchers and DeviceCache reject bad input with the numbers", "[
   elsewhere.device += 7;
   require_throws<kvcache::shape_error>([&] { decode(2, elsewhere); }, "DecodeSetup of device",
                                        "used on device");
+  // int8 and fp8: decode only (the CUDA-core kernel), and no prefill yet
+  require_throws<kvcache::shape_error>(
+      [&] {
+        (void)kcuda::make_decode_setup<kvcache::qint8>(2, 1, 64, kcuda::DecodeKernel::tensor_cores);
+      },
+      "tensor_cores", "does not serve int8");
+  kcuda::DeviceCache<kvcache::fp8_e4m3> fp8(
+      {.num_layers = 1, .num_kv_heads = 1, .head_dim = 64, .max_seq_len = 8});
+  fp8.append(0, seq0, std::vector<std::size_t>{1}, kv.data(), kv.data(), nullptr);
+  const auto offsets = upload(std::vector<std::int32_t>{0, 1});
+  require_throws<kvcache::shape_error>(
+      [&] {
+        kvcache::attend(TokenBlock<const float>{std::span<const float>(q.data(), 64), 1, 1, 64},
+                        fp8.view(0), TokenBlock<float>{std::span<float>(out.data(), 64), 1, 1, 64},
+                        AttentionOptions{},
+                        kcuda::DeviceAttendArgs{.q_offsets = offsets.data(), .max_q_len = 1});
+      },
+      "prefill over fp8");
   kcuda::check(cudaDeviceSynchronize(), "errors");
 }
 
@@ -1038,10 +1072,10 @@ TEMPLATE_TEST_CASE(
   }
 }
 
-TEST_CASE(
+TEMPLATE_TEST_CASE(
     "context_shift, restore and read_rows of a DeviceCache equal the host cache's, every "
     "layout",
-    "[cuda]") {
+    "[cuda]", float, kvcache::qint8, kvcache::fp8_e4m3) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("device_context_shift");
   const kvcache::Rope rope({.base = 10000.0f}, 16);
@@ -1051,8 +1085,8 @@ TEST_CASE(
     INFO("layout " << static_cast<int>(layout));
     kcuda::DeviceCacheConfig config = device_config(t);
     config.num_blocks *= 2;  // paged: room for a shifted sequence's blocks beside its old ones
-    kcuda::DeviceCache<float> dev(config);
-    CpuTwin<float> cpu(t);
+    kcuda::DeviceCache<TestType> dev(config);
+    CpuTwin<TestType> cpu(t);
     fill(dev, cpu, t, rng, {30, 6, 17});
     int shifted = 0, refused = 0;
     for (int round = 0; round < 16; ++round) {
@@ -1090,12 +1124,21 @@ TEST_CASE(
             REQUIRE(r.length == cv.length());
             REQUIRE(r.sink_end == cv.sink_end());
             REQUIRE(r.recent_begin == cv.recent_begin());
-            const std::size_t n = kvcache::view_num_tokens(cv) * t.heads * t.dim;
-            std::vector<float> hk(n), hv(n), dk(n), dv(n);
-            kvcache::detail::pack_view_rows(cv, hk.data(), hv.data());
-            dev.read_rows(l, q, dk, dv, nullptr);
+            const std::size_t rows = kvcache::view_num_tokens(cv) * t.heads, n = rows * t.dim;
+            std::vector<TestType> hk(n), hv(n), dk(n), dv(n);
+            // int8/fp8: the rows' scales too, packed as the rows
+            const std::size_t scales = kvcache::scaled_v<TestType> ? rows : 0;
+            std::vector<kvcache::scale_type> hks(scales), hvs(scales), dks(scales), dvs(scales);
+            kvcache::detail::pack_view_rows(cv, hk.data(), hv.data(), hks.data(), hvs.data());
+            if constexpr (kvcache::scaled_v<TestType>) {
+              dev.read_rows(l, q, dk, dv, dks, dvs, nullptr);
+            } else {
+              dev.read_rows(l, q, dk, dv, nullptr);
+            }
             REQUIRE(dk == hk);
             REQUIRE(dv == hv);
+            REQUIRE(dks == hks);
+            REQUIRE(dvs == hvs);
           });
         }
       }

@@ -44,11 +44,29 @@ bool have_device() {
 constexpr std::size_t kLayers = 2, kHeads = 2, kDim = 8, kBlock = 4, kBatch = 4, kMaxLen = 32;
 const kvcache::test::SyntheticModel kSynth{kLayers, kHeads, kDim};
 
+// The values of a stored row of kDim elements: its elements, or codes x scale (int8, fp8).
+template <kvcache::KVElement T>
+std::vector<float> row_values(const T* row, const kvcache::scale_type* scale) {
+  std::vector<float> out(kDim);
+  kvcache::dequantize_row(row, scale, kDim, out.data());
+  return out;
+}
+
+// The values a cache of T stores for a row of kDim floats (rounded, or quantized).
+template <kvcache::KVElement T>
+std::vector<float> stored_values(const float* in) {
+  std::vector<T> codes(kDim);
+  kvcache::scale_type scale;
+  kvcache::quantize_row(in, kDim, codes.data(), &scale);
+  return row_values(codes.data(), &scale);
+}
+
+template <kvcache::KVElement T>
 struct Pair {
   std::size_t num_blocks;
   bool twin = true;
-  kvcache::PagedCache<float> host;
-  kcuda::DeviceCache<float> dev;
+  kvcache::PagedCache<T> host;
+  kcuda::DeviceCache<T> dev;
 
   Pair(std::size_t blocks, bool evict)
       : num_blocks(blocks),
@@ -110,15 +128,25 @@ struct Pair {
   }
 
   // Every row every sequence holds on the device, read through the device's block table, is
-  // the K/V of its ids (every append here carries ids).
+  // the K/V of its ids (every append here carries ids), as T stores it; for int8 and fp8 the
+  // scales too, which copy-on-write copies with the codes.
   void check_rows() const {
     const auto& m = dev.paged();
     for (std::size_t l = 0; l < kLayers; ++l) {
       const auto v = dev.view(l);
       const std::size_t elems = static_cast<std::size_t>(v.block_stride) * num_blocks;
-      std::vector<float> pool(elems);
-      kcuda::check(cudaMemcpy(pool.data(), v.k, elems * sizeof(float), cudaMemcpyDeviceToHost),
+      std::vector<T> pool(elems);
+      kcuda::check(cudaMemcpy(pool.data(), v.k, elems * sizeof(T), cudaMemcpyDeviceToHost),
                    "download pool");
+      std::vector<kvcache::scale_type> scales(kvcache::scaled_v<T> ? elems / kDim : 0);
+      if constexpr (kvcache::scaled_v<T>) {
+        kcuda::check(
+            cudaMemcpy(scales.data(), v.k_scale, scales.size() * 2, cudaMemcpyDeviceToHost),
+            "download scales");
+      }
+      const auto at = [&](std::size_t row) {
+        return row_values(pool.data() + row, scales.empty() ? nullptr : scales.data() + row / kDim);
+      };
       for (std::size_t q = 0; q < kBatch; ++q) {
         const std::size_t len = m.layer_length(l, q);
         if (len == 0) continue;
@@ -129,10 +157,8 @@ struct Pair {
             const std::size_t row = base + h * kBlock * kDim + (pos % kBlock) * kDim;
             const std::size_t want = (pos * kHeads + h) * kDim;
             INFO("layer " << l << " sequence " << q << " position " << pos << " head " << h);
-            for (std::size_t e = 0; e < kDim; ++e) {
-              REQUIRE(pool[row + e] == expect.k[want + e]);
-              REQUIRE(pool[row + kHeads * kBlock * kDim + e] == expect.v[want + e]);
-            }
+            REQUIRE(at(row) == stored_values<T>(expect.k.data() + want));
+            REQUIRE(at(row + kHeads * kBlock * kDim) == stored_values<T>(expect.v.data() + want));
           }
         }
       }
@@ -143,8 +169,9 @@ struct Pair {
 // `twin`: the host PagedCache follows every operation (appends to one sequence at a time, as it
 // takes them); otherwise appends go to batches of sequences, which take blocks all at once (and
 // may copy a block the host would have copied for one sequence only).
+template <kvcache::KVElement T>
 void run(std::mt19937_64& rng, bool evict, bool twin, int steps) {
-  Pair p(40, evict);
+  Pair<T> p(40, evict);
   p.twin = twin;
   const auto pick = [&](std::size_t n) {
     return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);
@@ -271,15 +298,16 @@ void run(std::mt19937_64& rng, bool evict, bool twin, int steps) {
 
 }  // namespace
 
-TEST_CASE("a paged DeviceCache keeps PagedCache's bookkeeping and rows, operation for operation",
-          "[cuda]") {
+TEMPLATE_TEST_CASE(
+    "a paged DeviceCache keeps PagedCache's bookkeeping and rows, operation for operation",
+    "[cuda]", float, kvcache::qint8, kvcache::fp8_e4m3) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("device_paged_twin");
   for (bool evict : {false, true}) {
     INFO("evict_when_full " << evict);
     for (int seed = 0; seed < 3; ++seed) {
-      run(rng, evict, true, 300);
-      run(rng, evict, false, 300);
+      run<TestType>(rng, evict, true, 300);
+      run<TestType>(rng, evict, false, 300);
     }
   }
 }
@@ -287,7 +315,7 @@ TEST_CASE("a paged DeviceCache keeps PagedCache's bookkeeping and rows, operatio
 TEST_CASE("a paged DeviceCache shares a cached prompt and refuses what PagedCache refuses",
           "[cuda]") {
   if (!have_device()) return;
-  Pair p(8, false);
+  Pair<float> p(8, false);
   const auto prompt = kvcache::test::iota_ids(9, 40);
   REQUIRE(p.dev.admit(0, prompt, 0, nullptr) == 0);
   REQUIRE(p.host.admit(0, prompt) == 0);
@@ -324,7 +352,7 @@ TEST_CASE("a paged DeviceCache shares a cached prompt and refuses what PagedCach
 TEST_CASE("export_csr of a paged DeviceCache writes on the device what the host form computes",
           "[cuda]") {
   if (!have_device()) return;
-  Pair p(40, false);
+  Pair<float> p(40, false);
   p.twin = false;
   for (std::size_t q = 0; q < 3; ++q) {  // prompts of 1 .. 17 tokens, one forked
     const auto prompt = kvcache::test::iota_ids(1 + 8 * q, static_cast<token_id>(10 * q));
@@ -379,7 +407,8 @@ TEST_CASE("export_csr of a paged DeviceCache writes on the device what the host 
 namespace {
 
 // Appends the K/V of ids[len .. len + n) to `layer` of `seq` (with the ids).
-void device_append(kcuda::DeviceCache<float>& dev, std::size_t layer, std::size_t seq,
+template <kvcache::KVElement T>
+void device_append(kcuda::DeviceCache<T>& dev, std::size_t layer, std::size_t seq,
                    const std::vector<token_id>& ids, std::size_t len, std::size_t n) {
   const auto kv = kSynth.kv(layer, ids, len, n);
   kcuda::DeviceBuffer<float> dk(kv.k.size()), dv(kv.v.size());
@@ -390,32 +419,60 @@ void device_append(kcuda::DeviceCache<float>& dev, std::size_t layer, std::size_
              dv.data(), nullptr);
 }
 
+// The rows of one (layer, seq), packed [heads][held][kDim], and (int8, fp8) their scales.
+template <kvcache::KVElement T>
+struct Packed {
+  std::vector<T> k, v;
+  std::vector<kvcache::scale_type> k_scale, v_scale;
+  explicit Packed(std::size_t held)
+      : k(held * kHeads * kDim),
+        v(k.size()),
+        k_scale(kvcache::scaled_v<T> ? held * kHeads : 0),
+        v_scale(k_scale.size()) {}
+  bool operator==(const Packed&) const = default;
+};
+
+template <kvcache::KVElement T>
+Packed<T> device_rows(const kcuda::DeviceCache<T>& dev, std::size_t l, std::size_t q) {
+  Packed<T> out(dev.layer_length(l, q));
+  if constexpr (kvcache::scaled_v<T>) {
+    dev.read_rows(l, q, out.k, out.v, out.k_scale, out.v_scale, nullptr);
+  } else {
+    dev.read_rows(l, q, out.k, out.v, nullptr);
+  }
+  return out;
+}
+
+template <kvcache::KVView V>
+Packed<typename V::value_type> host_rows(const V& view) {
+  Packed<typename V::value_type> out(kvcache::view_num_tokens(view));
+  kvcache::detail::pack_view_rows(view, out.k.data(), out.v.data(), out.k_scale.data(),
+                                  out.v_scale.data());
+  return out;
+}
+
 // Every (layer, seq) of two paged device caches holds the same positions, rows, ids and key.
-void require_same(const kcuda::DeviceCache<float>& a, const kcuda::DeviceCache<float>& b) {
+template <kvcache::KVElement T>
+void require_same(const kcuda::DeviceCache<T>& a, const kcuda::DeviceCache<T>& b) {
   for (std::size_t q = 0; q < kBatch; ++q) {
     INFO("sequence " << q);
     REQUIRE(std::ranges::equal(a.paged().tokens(q), b.paged().tokens(q)));
     REQUIRE(a.paged().extra_key(q) == b.paged().extra_key(q));
     for (std::size_t l = 0; l < kLayers; ++l) {
-      const std::size_t len = a.layer_length(l, q), n = len * kHeads * kDim;
-      REQUIRE(b.layer_length(l, q) == len);
-      std::vector<float> ka(n), va(n), kb(n), vb(n);
-      a.read_rows(l, q, ka, va, nullptr);
-      b.read_rows(l, q, kb, vb, nullptr);
-      REQUIRE(ka == kb);
-      REQUIRE(va == vb);
+      REQUIRE(b.layer_length(l, q) == a.layer_length(l, q));
+      REQUIRE(device_rows(a, l, q) == device_rows(b, l, q));
     }
   }
 }
 
 }  // namespace
 
-TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host caches' format",
-          "[cuda]") {
+TEMPLATE_TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host caches' format",
+                   "[cuda]", float, kvcache::qint8) {
   if (!have_device()) return;
   const kvcache::test::TempDir dir("device-snapshot");
   const kvcache::ModelId model("device-snapshot-test");
-  Pair p(40, false);
+  Pair<TestType> p(40, false);
   const auto prompt = kvcache::test::iota_ids(13, 5);
   (void)p.dev.admit(0, prompt, 77, nullptr);  // under a cache salt
   for (std::size_t l = 0; l < kLayers; ++l) device_append(p.dev, l, 0, prompt, 0, 13);
@@ -433,7 +490,7 @@ TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host cache
   kcuda::save_snapshot(file, p.dev, model);
 
   // into another device cache: the same sequences, and the prefix index rebuilt
-  Pair q(40, false);
+  Pair<TestType> q(40, false);
   (void)kcuda::load_snapshot(file, q.dev, model);
   require_same(p.dev, q.dev);
   REQUIRE(q.dev.check_device_mirror(nullptr) == "");
@@ -445,29 +502,24 @@ TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host cache
   CHECK(q.dev.match_prefix(prompt) == 0);
 
   // into a host PagedCache: the same format
-  kvcache::PagedCache<float> host({.num_layers = kLayers,
-                                   .num_kv_heads = kHeads,
-                                   .head_dim = kDim,
-                                   .num_blocks = 40,
-                                   .block_size = 8,  // another block size: rows move by position
-                                   .max_batch = kBatch,
-                                   .max_seq_len = kMaxLen});
+  kvcache::PagedCache<TestType> host({.num_layers = kLayers,
+                                      .num_kv_heads = kHeads,
+                                      .head_dim = kDim,
+                                      .num_blocks = 40,
+                                      .block_size = 8,  // another block size: rows move by position
+                                      .max_batch = kBatch,
+                                      .max_seq_len = kMaxLen});
   (void)kvcache::load_snapshot(file, host, model);
   for (std::size_t s = 0; s < 3; ++s) {
     REQUIRE(host.extra_key(s) == p.dev.paged().extra_key(s));
     for (std::size_t l = 0; l < kLayers; ++l) {
-      const std::size_t len = host.layer_length(l, s), n = len * kHeads * kDim;
-      std::vector<float> kh(n), vh(n), kd(n), vd(n);
-      kvcache::detail::pack_view_rows(host.view(l, s), kh.data(), vh.data());
-      p.dev.read_rows(l, s, kd, vd, nullptr);
-      REQUIRE(kh == kd);
-      REQUIRE(vh == vd);
+      REQUIRE(host_rows(host.view(l, s)) == device_rows(p.dev, l, s));
     }
   }
   // and back from the host, into other slots of a device cache
   const auto host_file = dir.path() / "host.kvc";
   kvcache::save_snapshot(host_file, host, model, std::vector<std::size_t>{0, 2});
-  Pair r(40, false);
+  Pair<TestType> r(40, false);
   const std::vector<std::size_t> to{3, 1};
   (void)kcuda::load_snapshot(host_file, r.dev, model, {.dest_seqs = to});
   REQUIRE(r.dev.layer_length(0, 3) == 13);
@@ -476,7 +528,7 @@ TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host cache
   REQUIRE(r.dev.check_device_mirror(nullptr) == "");
 
   // a pool too small refuses the load and changes nothing
-  Pair small(3, false);
+  Pair<TestType> small(3, false);
   (void)small.dev.admit(0, kvcache::test::iota_ids(5, 1), 0, nullptr);
   const auto before = small.dev.paged().stats();
   REQUIRE_THROWS_AS(kcuda::load_snapshot(file, small.dev, model), kvcache::pool_exhausted_error);
@@ -484,7 +536,7 @@ TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host cache
   REQUIRE(small.dev.paged().tokens(0).size() == 5);
   REQUIRE(small.dev.check_device_mirror(nullptr) == "");
   // a device cache of another layout has no snapshots of this kind
-  kcuda::DeviceCache<float> flat(
+  kcuda::DeviceCache<TestType> flat(
       {.num_layers = kLayers, .num_kv_heads = kHeads, .head_dim = kDim, .max_seq_len = 8});
   REQUIRE_THROWS_AS(kcuda::save_snapshot(file, flat, model), kvcache::shape_error);
 }
@@ -492,7 +544,7 @@ TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host cache
 TEST_CASE("context_shift of a paged DeviceCache does what it does to a PagedCache, bit for bit",
           "[cuda]") {
   if (!have_device()) return;
-  Pair p(24, false);
+  Pair<float> p(24, false);
   const kvcache::Rope rope({.base = 10000.0f}, kDim);
   // sequences 0 and 1 share a prompt's first blocks; 0 generates further; 2 has no ids
   const auto prompt = kvcache::test::iota_ids(13, 50);

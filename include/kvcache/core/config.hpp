@@ -9,23 +9,7 @@
 
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
-
-/// Marks a function callable from host code and from CUDA device code: __host__ __device__
-/// under nvcc, nothing for a plain C++ compiler (for the few constexpr helpers that plain .hpp
-/// headers share with the kernels).
-#if defined(__CUDACC__)
-#define KVCACHE_HOST_DEVICE __host__ __device__
-#else
-#define KVCACHE_HOST_DEVICE
-#endif
-
-/// As KVCACHE_HOST_DEVICE, for small functions the kernels call per key: forced inline in device
-/// code, plain `inline` on the host.
-#if defined(__CUDACC__)
-#define KVCACHE_HOST_DEVICE_INLINE __host__ __device__ __forceinline__
-#else
-#define KVCACHE_HOST_DEVICE_INLINE inline
-#endif
+#include "kvcache/core/host_device.hpp"
 
 namespace kvcache {
 

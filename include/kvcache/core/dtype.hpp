@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/host_device.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
@@ -32,18 +33,21 @@ struct half {
   std::uint16_t bits = 0;
 
   constexpr half() noexcept = default;
-  constexpr explicit half(float f) noexcept : bits(from_float_bits(f)) {}
-  [[nodiscard]] static constexpr half from_bits(std::uint16_t b) noexcept {
+  KVCACHE_HOST_DEVICE constexpr explicit half(float f) noexcept : bits(from_float_bits(f)) {}
+  [[nodiscard]] KVCACHE_HOST_DEVICE static constexpr half from_bits(std::uint16_t b) noexcept {
     half h;
     h.bits = b;
     return h;
   }
-  [[nodiscard]] constexpr explicit operator float() const noexcept { return to_float(bits); }
+  [[nodiscard]] KVCACHE_HOST_DEVICE constexpr explicit operator float() const noexcept {
+    return to_float(bits);
+  }
   friend constexpr bool operator==(half, half) noexcept = default;
 
   /// float -> binary16 bits, round-to-nearest-even.
-  [[nodiscard]] static constexpr std::uint16_t from_float_bits(float f) noexcept {
-    std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  [[nodiscard]] KVCACHE_HOST_DEVICE static constexpr std::uint16_t from_float_bits(
+      float f) noexcept {
+    std::uint32_t u = detail::float_bits(f);
     const std::uint32_t sign = (u >> 16) & 0x8000u;
     u &= 0x7fffffffu;
     if (u >= 0x47800000u) {  // |f| >= 65536 (or inf/NaN): the result is inf or NaN
@@ -55,9 +59,8 @@ struct half {
     if (u < 0x38800000u) {  // |f| < 2^-14: subnormal or zero half
       // Adding 0.5 aligns the 10 subnormal mantissa bits at the bottom of the float; the FP
       // addition itself rounds to nearest even.
-      const float aligned = std::bit_cast<float>(u) + 0.5f;
-      return static_cast<std::uint16_t>(sign |
-                                        (std::bit_cast<std::uint32_t>(aligned) - 0x3f000000u));
+      const float aligned = detail::bits_float(u) + 0.5f;
+      return static_cast<std::uint16_t>(sign | (detail::float_bits(aligned) - 0x3f000000u));
     }
     const std::uint32_t mant_odd = (u >> 13) & 1u;
     u += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and add the rounding bias
@@ -65,19 +68,19 @@ struct half {
   }
 
   /// binary16 bits -> float (exact).
-  [[nodiscard]] static constexpr float to_float(std::uint16_t h) noexcept {
+  [[nodiscard]] KVCACHE_HOST_DEVICE static constexpr float to_float(std::uint16_t h) noexcept {
     const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
     const std::uint32_t exp = (h >> 10) & 0x1fu;
     const std::uint32_t mant = h & 0x3ffu;
     if (exp == 0) {
       // zero or subnormal: mant * 2^-24 is exact in float
       const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;
-      return std::bit_cast<float>(sign | std::bit_cast<std::uint32_t>(mag));
+      return detail::bits_float(sign | detail::float_bits(mag));
     }
     if (exp == 31) {  // inf, or NaN (quietened, payload kept)
-      return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13) | (mant != 0 ? 0x400000u : 0u));
+      return detail::bits_float(sign | 0x7f800000u | (mant << 13) | (mant != 0 ? 0x400000u : 0u));
     }
-    return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+    return detail::bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
   }
 };
 
@@ -88,24 +91,27 @@ struct bfloat16 {
   std::uint16_t bits = 0;
 
   constexpr bfloat16() noexcept = default;
-  constexpr explicit bfloat16(float f) noexcept : bits(from_float_bits(f)) {}
-  [[nodiscard]] static constexpr bfloat16 from_bits(std::uint16_t b) noexcept {
+  KVCACHE_HOST_DEVICE constexpr explicit bfloat16(float f) noexcept : bits(from_float_bits(f)) {}
+  [[nodiscard]] KVCACHE_HOST_DEVICE static constexpr bfloat16 from_bits(std::uint16_t b) noexcept {
     bfloat16 h;
     h.bits = b;
     return h;
   }
-  [[nodiscard]] constexpr explicit operator float() const noexcept { return to_float(bits); }
+  [[nodiscard]] KVCACHE_HOST_DEVICE constexpr explicit operator float() const noexcept {
+    return to_float(bits);
+  }
   friend constexpr bool operator==(bfloat16, bfloat16) noexcept = default;
 
-  [[nodiscard]] static constexpr std::uint16_t from_float_bits(float f) noexcept {
-    const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  [[nodiscard]] KVCACHE_HOST_DEVICE static constexpr std::uint16_t from_float_bits(
+      float f) noexcept {
+    const std::uint32_t u = detail::float_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
       return static_cast<std::uint16_t>((u >> 16) | 0x40u);
     }
     return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
   }
-  [[nodiscard]] static constexpr float to_float(std::uint16_t b) noexcept {
-    return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
+  [[nodiscard]] KVCACHE_HOST_DEVICE static constexpr float to_float(std::uint16_t b) noexcept {
+    return detail::bits_float(static_cast<std::uint32_t>(b) << 16);
   }
 };
 
@@ -118,28 +124,31 @@ struct fp8_e4m3 {
   std::uint8_t bits = 0;
 
   constexpr fp8_e4m3() noexcept = default;
-  constexpr explicit fp8_e4m3(float f) noexcept : bits(from_float_bits(f)) {}
-  [[nodiscard]] static constexpr fp8_e4m3 from_bits(std::uint8_t b) noexcept {
+  KVCACHE_HOST_DEVICE constexpr explicit fp8_e4m3(float f) noexcept : bits(from_float_bits(f)) {}
+  [[nodiscard]] KVCACHE_HOST_DEVICE static constexpr fp8_e4m3 from_bits(std::uint8_t b) noexcept {
     fp8_e4m3 x;
     x.bits = b;
     return x;
   }
-  [[nodiscard]] constexpr explicit operator float() const noexcept { return to_float(bits); }
+  [[nodiscard]] KVCACHE_HOST_DEVICE constexpr explicit operator float() const noexcept {
+    return to_float(bits);
+  }
   friend constexpr bool operator==(fp8_e4m3, fp8_e4m3) noexcept = default;
 
   /// The largest finite magnitude, 448.
   static constexpr float max_finite = 448.0f;
 
   /// float -> e4m3 bits: round to nearest even, saturating at ±448, NaN kept (sign kept).
-  [[nodiscard]] static constexpr std::uint8_t from_float_bits(float f) noexcept {
-    const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  [[nodiscard]] KVCACHE_HOST_DEVICE static constexpr std::uint8_t from_float_bits(
+      float f) noexcept {
+    const std::uint32_t u = detail::float_bits(f);
     const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
     const std::uint32_t a = u & 0x7fffffffu;
     if (a > 0x7f800000u) return static_cast<std::uint8_t>(sign | 0x7fu);   // NaN
     if (a >= 0x43e00000u) return static_cast<std::uint8_t>(sign | 0x7eu);  // >= 448 or inf
     if (a < 0x3c800000u) {  // below 2^-6: a subnormal code m * 2^-9, m = 0 .. 8 (8: 2^-6)
       // |f| * 2^9 is exact; adding and subtracting 2^23 rounds it to an integer, nearest even.
-      const float scaled = std::bit_cast<float>(a) * 512.0f;
+      const float scaled = detail::bits_float(a) * 512.0f;
       const float m = (scaled + 8388608.0f) - 8388608.0f;
       return static_cast<std::uint8_t>(sign | static_cast<std::uint8_t>(m));
     }
@@ -150,16 +159,15 @@ struct fp8_e4m3 {
   }
 
   /// e4m3 bits -> float (exact).
-  [[nodiscard]] static constexpr float to_float(std::uint8_t b) noexcept {
+  [[nodiscard]] KVCACHE_HOST_DEVICE static constexpr float to_float(std::uint8_t b) noexcept {
     const std::uint32_t sign = static_cast<std::uint32_t>(b & 0x80u) << 24;
     const std::uint32_t exp = (b >> 3) & 0xfu;
     const std::uint32_t mant = b & 0x7u;
-    if (exp == 0xfu && mant == 0x7u) return std::bit_cast<float>(sign | 0x7fc00000u);
+    if (exp == 0xfu && mant == 0x7u) return detail::bits_float(sign | 0x7fc00000u);
     if (exp == 0) {  // zero or subnormal: mant * 2^-9
-      return std::bit_cast<float>(
-          sign | std::bit_cast<std::uint32_t>(static_cast<float>(mant) * 0.001953125f));
+      return detail::bits_float(sign | detail::float_bits(static_cast<float>(mant) * 0.001953125f));
     }
-    return std::bit_cast<float>(sign | ((exp + 120u) << 23) | (mant << 20));
+    return detail::bits_float(sign | ((exp + 120u) << 23) | (mant << 20));
   }
 };
 
@@ -169,8 +177,8 @@ struct qint8 {
   std::int8_t value = 0;
 
   constexpr qint8() noexcept = default;
-  constexpr explicit qint8(std::int8_t v) noexcept : value(v) {}
-  [[nodiscard]] constexpr explicit operator float() const noexcept {
+  KVCACHE_HOST_DEVICE constexpr explicit qint8(std::int8_t v) noexcept : value(v) {}
+  [[nodiscard]] KVCACHE_HOST_DEVICE constexpr explicit operator float() const noexcept {
     return static_cast<float>(value);
   }
   friend constexpr bool operator==(qint8, qint8) noexcept = default;

@@ -14,6 +14,7 @@
 #include <span>
 
 #include "kvcache/core/dtype.hpp"
+#include "kvcache/core/host_device.hpp"
 
 namespace kvcache {
 
@@ -31,12 +32,12 @@ template <QuantizedElement T>
 inline constexpr float code_max = std::same_as<T, qint8> ? 127.0f : fp8_e4m3::max_finite;
 
 /// The code nearest to x (round to nearest even) for x within +-code_max<T> (int8: clamped to
-/// +-127; fp8: saturated at +-448).
+/// +-127; fp8: saturated at +-448). @pre x is not NaN.
 template <QuantizedElement T>
-[[nodiscard]] inline T encode(float x) noexcept {
+[[nodiscard]] KVCACHE_HOST_DEVICE_INLINE T encode(float x) noexcept {
   if constexpr (std::same_as<T, qint8>) {
-    const float r = std::nearbyint(std::clamp(x, -127.0f, 127.0f));  // default mode: to even
-    return qint8(static_cast<std::int8_t>(r));
+    const float clamped = x < -127.0f ? -127.0f : x > 127.0f ? 127.0f : x;
+    return qint8(static_cast<std::int8_t>(nearbyintf(clamped)));  // default mode: to even
   } else {
     return fp8_e4m3(x);
   }
@@ -44,8 +45,17 @@ template <QuantizedElement T>
 
 /// A code's value (exact); the row's value is this times its scale.
 template <QuantizedElement T>
-[[nodiscard]] constexpr float decode(T code) noexcept {
+[[nodiscard]] KVCACHE_HOST_DEVICE_INLINE constexpr float decode(T code) noexcept {
   return static_cast<float>(code);
+}
+
+/// One step of the largest magnitude of a row: max(acc, |x|), or inf once the row holds an inf
+/// or NaN (which row_scale turns into a NaN scale). Fold it over the row from 0 in any order.
+[[nodiscard]] KVCACHE_HOST_DEVICE_INLINE constexpr float row_amax_step(float acc,
+                                                                       float x) noexcept {
+  if (!(x - x == 0.0f)) return __builtin_huge_valf();  // inf - inf and NaN - NaN are NaN
+  const float a = x < 0.0f ? -x : x;
+  return a > acc ? a : acc;
 }
 
 /// The scale of a row whose largest magnitude is `amax`: amax / code_max<T> rounded up to a
@@ -54,11 +64,19 @@ template <QuantizedElement T>
 /// ~1.8e-43 for int8): such a row reads back as zeros. NaN when amax is inf or NaN (a non-finite
 /// row).
 template <QuantizedElement T>
-[[nodiscard]] constexpr scale_type row_scale(float amax) noexcept {
+[[nodiscard]] KVCACHE_HOST_DEVICE_INLINE constexpr scale_type row_scale(float amax) noexcept {
   if (!(amax <= 3.4028235e38f)) return scale_type::from_bits(0x7fc0u);  // inf or NaN
-  const std::uint32_t u = std::bit_cast<std::uint32_t>(amax / code_max<T>);
+  const std::uint32_t u = detail::float_bits(amax / code_max<T>);
   const auto top = static_cast<std::uint16_t>(u >> 16);
   return scale_type::from_bits(static_cast<std::uint16_t>((u & 0xffffu) != 0 ? top + 1 : top));
+}
+
+/// The code of x in a row whose scale (as a float) is `scale`: encode(x / scale), or 0 when the
+/// scale is 0 or NaN (a row of zeros, or a non-finite one). A division, not a multiply by
+/// 1 / scale: that reciprocal overflows for scales below ~3e-39.
+template <QuantizedElement T>
+[[nodiscard]] KVCACHE_HOST_DEVICE_INLINE T encode_in_row(float x, float scale) noexcept {
+  return scale > 0.0f ? encode<T>(x / scale) : T{};
 }
 
 /// Writes one row of d floats in format T: for an Element, the values rounded to T (nearest even,
@@ -72,20 +90,10 @@ void quantize_row(const float* in, std::size_t d, T* out, scale_type* scale) noe
     convert_from_float(std::span<const float>(in, d), out);
   } else {
     float amax = 0.0f;
-    bool finite = true;
-    for (std::size_t x = 0; x < d; ++x) {
-      finite = finite && std::isfinite(in[x]);
-      amax = std::max(amax, std::fabs(in[x]));
-    }
-    const scale_type s = row_scale<T>(finite ? amax : std::numeric_limits<float>::quiet_NaN());
-    *scale = s;
-    const float sf = static_cast<float>(s);
-    if (!finite || sf == 0.0f) {
-      std::fill(out, out + d, T{});
-      return;
-    }
-    // A division, not a multiply by 1 / sf: that reciprocal overflows for rows below ~4e-37.
-    for (std::size_t x = 0; x < d; ++x) out[x] = encode<T>(in[x] / sf);
+    for (std::size_t x = 0; x < d; ++x) amax = row_amax_step(amax, in[x]);
+    *scale = row_scale<T>(amax);
+    const auto sf = static_cast<float>(*scale);
+    for (std::size_t x = 0; x < d; ++x) out[x] = encode_in_row<T>(in[x], sf);
   }
 }
 

@@ -241,9 +241,12 @@ void fill_packed_block(T* block, scale_type* scales, std::size_t block_size,
 
 /// The rows `view` holds, packed as a LayerRestore holds them: k and v [num_kv_heads][held]
 /// [head_dim], held = view_num_tokens(view), positions in view order (sinks, then the recent
-/// ones). @pre k and v hold held * num_kv_heads * head_dim elements each.
-template <KVView V, Element T = typename V::value_type>
-void pack_view_rows(const V& view, T* k, T* v) noexcept {
+/// ones); for a quantized format also the rows' scales into k_scale and v_scale, packed
+/// [num_kv_heads][held] (unused, may be null, otherwise). @pre each output holds as many
+/// elements as that.
+template <KVView V, KVElement T = typename V::value_type>
+void pack_view_rows(const V& view, T* k, T* v, scale_type* k_scale = nullptr,
+                    scale_type* v_scale = nullptr) noexcept {
   const std::size_t held = view_num_tokens(view), d = view.head_dim();
   std::size_t row = 0;  // packed index of the segment's first position
   for (std::size_t i = 0; i < view.num_segments(); ++i) {
@@ -251,8 +254,17 @@ void pack_view_rows(const V& view, T* k, T* v) noexcept {
     for (std::size_t h = 0; h < view.num_kv_heads(); ++h) {
       std::copy_n(seg.k + h * seg.head_stride, seg.len * d, k + (h * held + row) * d);
       std::copy_n(seg.v + h * seg.head_stride, seg.len * d, v + (h * held + row) * d);
+      if constexpr (scaled_v<T>) {
+        const std::size_t at = h * seg.head_stride / d;
+        std::copy_n(seg.k_scale + at, seg.len, k_scale + h * held + row);
+        std::copy_n(seg.v_scale + at, seg.len, v_scale + h * held + row);
+      }
     }
     row += seg.len;
+  }
+  if constexpr (!scaled_v<T>) {
+    (void)k_scale;
+    (void)v_scale;
   }
 }
 

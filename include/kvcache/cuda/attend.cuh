@@ -66,7 +66,7 @@ inline std::size_t with_sink_scores(std::size_t first, std::size_t sink_bytes) n
 /// Bytes of workspace launch_decode_attention needs for this view (decode_workspace_bytes for
 /// the view's shape and max_keys, the options' window applied, plus the sink scores of
 /// cache_relative positions), with `setup` if given (no CUDA call), else on the current device.
-template <Element T>
+template <KVElement T>
 [[nodiscard]] std::size_t decode_workspace_bytes(const DeviceKVView<T>& view, int num_q_heads,
                                                  const AttentionOptions& opts = {},
                                                  const DecodeSetup* setup = nullptr) {
@@ -82,7 +82,7 @@ template <Element T>
 
 /// Bytes of workspace launch_prefill_attention needs: the sink scores of cache_relative
 /// positions for num_seqs x max_q_len query rows; 0 for absolute positions (no workspace).
-template <Element T>
+template <KVElement T>
 [[nodiscard]] std::size_t prefill_workspace_bytes(const DeviceKVView<T>& view, int num_q_heads,
                                                   int max_q_len, const AttentionOptions& opts) {
   return detail::sink_score_bytes(opts, view.num_seqs, max_q_len < 1 ? 0 : max_q_len, num_q_heads);
@@ -99,10 +99,13 @@ template <Element T>
 /// sees, holds an inf or NaN gets NaN throughout (whichever kernel and split computed it); inf
 /// and NaN elsewhere (other heads, keys outside the window, slots the view does not present)
 /// change none of the other heads' bits; an empty sequence gets zeros whatever q holds.
+/// int8 and fp8 views (DeviceCache of qint8 / fp8_e4m3): the codes are read directly and each
+/// row's scale applied to its score and weight (DecodeKernel::cuda_cores); a row whose scale is
+/// NaN (it was appended holding an inf or NaN) counts as a non-finite row.
 /// @throws shape_error (head_dim not 64/128/256, num_q_heads not a multiple of num_kv_heads,
 ///         workspace too small, setup made for another dtype, head_dim, group or device),
 ///         cuda_error.
-template <Element T>
+template <KVElement T>
 void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float* out,
                              int num_q_heads, const AttentionOptions& opts, void* workspace,
                              std::size_t workspace_bytes, cudaStream_t stream,
@@ -162,7 +165,7 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
                                   .mask = mask,
                                   .scale = scale,
                                   .softcap = opts.softcap};
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (kCudaCoreDecode<T>) {
       detail::dispatch_head_bucket(plan.chunk_group, [&](auto g) {
         detail::decode_attention_kernel<T, D, decltype(g)::value>
             <<<grid, kDecodeThreads, sized.smem_bytes, stream>>>(view, args);
@@ -249,12 +252,13 @@ namespace kvcache {
 /// kvcache::attend for device views: the same call as on the CPU (q and out hold device memory,
 /// shaped [tokens][num_q_heads][head_dim]) plus the stream, workspace and, for prefill, the
 /// per-sequence query offsets. Decode when args.q_offsets is null (q.num_tokens == num_seqs),
-/// prefill otherwise. opts.pool is ignored and opts.query_pos must be unset (queries sit at the
-/// last positions). Validate positions on the host first with DeviceCache::check_attention.
-/// Non-finite q, K and V: the semantics of the CPU kvcache::attend, in every decode kernel
-/// (DecodeKernel), split or not, and in the prefill kernel.
+/// prefill otherwise (f32, f16 and bf16 views only, so far: prefill over int8 or fp8 K/V throws).
+/// opts.pool is ignored and opts.query_pos must be unset (queries sit at the last positions).
+/// Validate positions on the host first with DeviceCache::check_attention. Non-finite q, K and V:
+/// the semantics of the CPU kvcache::attend, in every decode kernel (DecodeKernel), split or not,
+/// and in the prefill kernel.
 /// @throws shape_error, cuda_error. Asynchronous: nothing is synchronised.
-template <Element T>
+template <KVElement T>
 void attend(TokenBlock<const float> q, const cuda::DeviceKVView<T>& view, TokenBlock<float> out,
             const AttentionOptions& opts, const cuda::DeviceAttendArgs& args) {
   detail::check_options(opts);
@@ -276,10 +280,14 @@ void attend(TokenBlock<const float> q, const cuda::DeviceKVView<T>& view, TokenB
     }
     cuda::launch_decode_attention(view, q.data.data(), out.data.data(), heads, opts, args.workspace,
                                   args.workspace_bytes, args.stream, args.decode_setup);
-  } else {
+  } else if constexpr (Element<T>) {
     cuda::launch_prefill_attention(view, q.data.data(), out.data.data(), heads, args.q_offsets,
                                    args.max_q_len, opts, args.stream, args.workspace,
                                    args.workspace_bytes);
+  } else {
+    throw shape_error(detail::message("CUDA attend: prefill over ", dtype_name(dtype_of<T>),
+                                      " K/V is not supported yet (decode is); supported: f32, f16, "
+                                      "bf16"));
   }
 }
 

@@ -68,7 +68,14 @@ struct DeviceCacheConfig {
 /// evict_cached(), stats() and the per-sequence queries (paged_queries()). An append batch's
 /// copy-on-write copies go to the device in one launch; the block-table entries and lengths an
 /// operation changes follow in batched launches, all on the caller's stream.
-template <Element T>
+///
+/// T is any storage format (KVElement): f32, f16, bf16, or int8 / fp8 e4m3 codes with one
+/// bfloat16 scale per (token, KV head) row, as the host caches keep them (core/format.hpp). A
+/// quantized cache takes float rows and quantizes them on the device, bit for bit as the host
+/// caches do, so a device cache and a host cache fed the same rows hold the same codes and scales.
+/// Its views carry the scales (k_scale, v_scale); decode attention reads the codes directly
+/// (DecodeKernel::cuda_cores).
+template <KVElement T>
 class DeviceCache {
  public:
   using value_type = T;
@@ -124,6 +131,7 @@ class DeviceCache {
                                    sizeof(T));
         break;
     }
+    if constexpr (scaled_v<T>) scales_ = DeviceBuffer<scale_type>(storage_.size() / c.head_dim);
     state_.assign(c.num_layers * c.max_batch, State{0, static_cast<std::int64_t>(sinks())});
     meta_ = DeviceBuffer<std::int64_t>(c.num_layers * 3 * c.max_batch);
     // all zero: every sequence empty ([0, 0) and [0, 0) present)
@@ -132,7 +140,8 @@ class DeviceCache {
 
   /// Appends counts[i] new tokens to sequence seqs[i] of `layer`, for every i, in one launch per
   /// kMaxSeqsPerLaunch sequences. k, v: device arrays [sum(counts)][num_kv_heads][head_dim] of
-  /// float (rounded to T) or T, tokens grouped by sequence in the order of `seqs`. Paged: the
+  /// float (rounded to T; quantized per row for int8 and fp8) or, for f32/f16/bf16 caches, T,
+  /// tokens grouped by sequence in the order of `seqs`. Paged: the
   /// whole batch takes its blocks at once (the shared or indexed ones it writes into are copied
   /// first, in one launch), or none.
   /// @throws layer_error, batch_error, shape_error (sizes, a sequence listed twice, zero count),
@@ -140,9 +149,11 @@ class DeviceCache {
   ///         blocks needed, free and evictable), position_error (paged: a sequence with ids, past
   ///         them), cuda_error. Nothing is launched and nothing changes on throw.
   template <class U>
-  requires std::same_as<U, T> || std::same_as<U, float>
-  void append(std::size_t layer, std::span<const std::size_t> seqs,
-              std::span<const std::size_t> counts, const U* k, const U* v, cudaStream_t stream) {
+  requires(Element<T>&& std::same_as<U, T>) || std::same_as<U, float> void append(
+                                                   std::size_t layer,
+                                                   std::span<const std::size_t> seqs,
+                                                   std::span<const std::size_t> counts, const U* k,
+                                                   const U* v, cudaStream_t stream) {
     append_rows(layer, seqs, counts, nullptr, k, v, stream);
   }
 
@@ -153,10 +164,12 @@ class DeviceCache {
   /// @throws as append(); shape_error (ids.size() != sum(counts), or not paged), position_error
   ///         (an id differs from the registered one; a sequence holding K/V without ids).
   template <class U>
-  requires std::same_as<U, T> || std::same_as<U, float>
-  void append(std::size_t layer, std::span<const std::size_t> seqs,
-              std::span<const std::size_t> counts, std::span<const token_id> ids, const U* k,
-              const U* v, cudaStream_t stream) {
+  requires(Element<T>&& std::same_as<U, T>) || std::same_as<U, float> void append(
+                                                   std::size_t layer,
+                                                   std::span<const std::size_t> seqs,
+                                                   std::span<const std::size_t> counts,
+                                                   std::span<const token_id> ids, const U* k,
+                                                   const U* v, cudaStream_t stream) {
     require_paged("append with ids");
     std::size_t total = 0;
     for (std::size_t n : counts) total += n;
@@ -172,6 +185,7 @@ class DeviceCache {
   [[nodiscard]] DeviceKVView<T> view(std::size_t layer) const {
     check_layer(layer);
     const T* base = storage_.data() + layer_offset(layer);
+    const scale_type* scales = scales_at(layer_offset(layer));
     const auto heads = static_cast<int>(config_.num_kv_heads);
     const auto dim = static_cast<int>(config_.head_dim);
     DeviceKVView<T> v =
@@ -179,11 +193,11 @@ class DeviceCache {
             ? paged_layout(base, heads, dim, static_cast<int>(config_.block_size),
                            static_cast<std::int64_t>(2 * v_offset()), paged_->device_table(),
                            static_cast<int>(config_.max_batch),
-                           static_cast<int>(paged_->max_blocks()))
+                           static_cast<int>(paged_->max_blocks()), scales)
             : slab_layout(base, static_cast<int>(config_.max_batch), heads, dim,
                           static_cast<std::int64_t>(slots_),
                           static_cast<int>(config_.num_sink_tokens),
-                          config_.layout == Layout::ring ? static_cast<int>(ring_len_) : 0);
+                          config_.layout == Layout::ring ? static_cast<int>(ring_len_) : 0, scales);
     const std::int64_t* m = meta_.data() + layer * 3 * config_.max_batch;
     v.length = m;
     v.sink_end = m + config_.max_batch;
@@ -220,9 +234,10 @@ class DeviceCache {
   }
   [[nodiscard]] std::size_t max_batch() const noexcept { return config_.max_batch; }
   [[nodiscard]] const DeviceCacheConfig& config() const noexcept { return config_; }
-  /// Device bytes of K/V storage (plus the block table for paged).
+  /// Device bytes of K/V storage, a quantized format's scales included (plus the block table for
+  /// paged).
   [[nodiscard]] std::size_t memory_bytes() const noexcept {
-    return storage_.bytes() + (paged_ ? paged_->device_bytes() : 0);
+    return storage_.bytes() + scales_.bytes() + (paged_ ? paged_->device_bytes() : 0);
   }
   /// Paged: blocks in the pool that are free (neither held nor cached); 0 for other layouts.
   [[nodiscard]] std::size_t free_blocks() const {
@@ -353,7 +368,16 @@ class DeviceCache {
                cudaStream_t stream);
   /// The rows of `layer` of `seq` in host memory, packed (cuda/cache_restore.cuh).
   void read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
-                 cudaStream_t stream) const;
+                 cudaStream_t stream) const requires Element<T> {
+    read_rows_impl(layer, seq, k, v, {}, {}, stream);
+  }
+  /// read_rows() of a quantized format: the codes, and the rows' scales packed as the rows,
+  /// [num_kv_heads][held] each (cuda/cache_restore.cuh).
+  void read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
+                 std::span<scale_type> k_scale, std::span<scale_type> v_scale,
+                 cudaStream_t stream) const requires QuantizedElement<T> {
+    read_rows_impl(layer, seq, k, v, k_scale, v_scale, stream);
+  }
 
   /// "" or a description of the first difference between the device's block table and lengths
   /// and the bookkeeping's (downloads them: synchronises), else the manager's
@@ -415,12 +439,14 @@ class DeviceCache {
     std::span<const BlockManager<>::AppendPlan> plans;
     if (paged_) {
       plans = paged_->begin_append(layer, seqs, counts, ids, storage_.data(), layer_offset(1),
-                                   2 * v_offset(), stream);
+                                   2 * v_offset(), scales_at(0), config_.head_dim, stream);
     }
     // validated: from here on only launches, whose failure is reported as cuda_error
     const DeviceKVView<T> v_layer = view(layer);
     T* k_out = storage_.data() + layer_offset(layer);
     T* v_out = k_out + v_offset();
+    scale_type* ks_out = scales_at(layer_offset(layer));
+    scale_type* vs_out = scales_at(layer_offset(layer) + v_offset());
     std::size_t token = 0;
     for (std::size_t i0 = 0; i0 < seqs.size(); i0 += kMaxSeqsPerLaunch) {
       detail::AppendBatch batch;
@@ -436,8 +462,8 @@ class DeviceCache {
       const dim3 grid(static_cast<unsigned>(token - token0),
                       static_cast<unsigned>(config_.num_kv_heads));
       const std::size_t src = token0 * config_.num_kv_heads * config_.head_dim;
-      detail::append_kernel<T, U>
-          <<<grid, 64, 0, stream>>>(v_layer, k_out, v_out, k + src, v + src, batch);
+      detail::append_kernel<T, U><<<grid, detail::kAppendThreads<T>, 0, stream>>>(
+          v_layer, k_out, v_out, ks_out, vs_out, k + src, v + src, batch);
       check_launch("kvcache::cuda::append_kernel");
     }
     if (paged_) paged_->end_append(plans, stream);
@@ -452,6 +478,10 @@ class DeviceCache {
     }
     flush_meta(meta, stream);
   }
+
+  void read_rows_impl(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
+                      std::span<scale_type> k_scale, std::span<scale_type> v_scale,
+                      cudaStream_t stream) const;
 
   void require_paged(const char* op) const {
     if (config_.layout != Layout::paged) {
@@ -508,6 +538,14 @@ class DeviceCache {
     const std::size_t rows = config_.layout == Layout::paged ? config_.block_size : slots_;
     return config_.num_kv_heads * rows * config_.head_dim;
   }
+  /// A quantized format's scale of the row at element offset `offset` of the storage; null for
+  /// f32/f16/bf16.
+  [[nodiscard]] scale_type* scales_at(std::size_t offset) noexcept {
+    return scaled_v<T> ? scales_.data() + offset / config_.head_dim : nullptr;
+  }
+  [[nodiscard]] const scale_type* scales_at(std::size_t offset) const noexcept {
+    return scaled_v<T> ? scales_.data() + offset / config_.head_dim : nullptr;
+  }
   [[nodiscard]] std::size_t layer_offset(std::size_t layer) const noexcept {
     const std::size_t units =
         config_.layout == Layout::paged ? config_.num_blocks : config_.max_batch;
@@ -554,6 +592,7 @@ class DeviceCache {
   std::size_t slots_ = 0;
   std::size_t ring_len_ = 0;
   DeviceBuffer<T> storage_;
+  DeviceBuffer<scale_type> scales_;   // quantized formats: one per row, laid out as the rows
   DeviceBuffer<std::int64_t> meta_;   // [layer][length, sink_end, recent_begin][seq]
   std::vector<State> state_;          // [layer][seq]: what meta_ holds
   std::optional<PagedTables> paged_;  // paged: the bookkeeping and the device block table

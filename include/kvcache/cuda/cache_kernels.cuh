@@ -12,6 +12,8 @@
 #include <type_traits>
 
 #include "kvcache/core/dtype.hpp"
+#include "kvcache/core/format.hpp"
+#include "kvcache/cuda/kernels_common.cuh"
 #include "kvcache/cuda/view.cuh"
 
 namespace kvcache::cuda {
@@ -56,10 +58,34 @@ static_assert(sizeof(AppendBatch) <= kMaxParamBatchBytes);
 static_assert(sizeof(MetaBatch) <= kMaxParamBatchBytes);
 static_assert(sizeof(BlockBatch) <= kMaxParamBatchBytes);
 
-/// Grid (tokens of the batch, KV heads): converts and writes one K row and one V row.
-template <Element T, class U>
-__global__ void append_kernel(DeviceKVView<T> view, T* k_out, T* v_out, const U* __restrict__ k,
-                              const U* __restrict__ v, AppendBatch batch) {
+/// Quantizes one row of d floats into codes and its scale as quantize_row() does on the host, bit
+/// for bit, with the threads of one warp (blockDim.x == 32): the largest magnitude reduced over
+/// the warp, then each lane encodes every 32nd value.
+template <QuantizedElement T>
+__device__ __forceinline__ void quantize_row_warp(const float* __restrict__ in, int d, T* out,
+                                                  scale_type* scale) {
+  const int lane = static_cast<int>(threadIdx.x);
+  float amax = 0.0f;
+  for (int x = lane; x < d; x += 32) amax = row_amax_step(amax, in[x]);
+  amax = warp_max(amax);  // row_amax_step never gives NaN; inf marks a non-finite row
+  const scale_type s = row_scale<T>(amax);
+  if (lane == 0) *scale = s;
+  const auto sf = static_cast<float>(s);
+  for (int x = lane; x < d; x += 32) out[x] = encode_in_row<T>(in[x], sf);
+}
+
+/// Threads per block of append_kernel over T: a warp for the quantized formats (a row's scale is a
+/// warp reduction), 64 otherwise.
+template <KVElement T>
+inline constexpr int kAppendThreads = scaled_v<T> ? 32 : 64;
+
+/// Grid (tokens of the batch, KV heads), kAppendThreads<T> threads: converts and writes one K row
+/// and one V row (quantized formats: codes, and the scales into ks_out / vs_out, indexed by row
+/// offset / head_dim; unused otherwise).
+template <KVElement T, class U>
+__global__ void append_kernel(DeviceKVView<T> view, T* k_out, T* v_out, scale_type* ks_out,
+                              scale_type* vs_out, const U* __restrict__ k, const U* __restrict__ v,
+                              AppendBatch batch) {
   const int token = blockIdx.x, head = blockIdx.y;
   int entry = 0, hi = batch.num_seqs - 1;  // the last entry whose tokens begin at or before token
   while (entry < hi) {
@@ -75,13 +101,19 @@ __global__ void append_kernel(DeviceKVView<T> view, T* k_out, T* v_out, const U*
   const std::int64_t dst = view.row_offset(seq, head, pos);
   const std::int64_t src =
       (static_cast<std::int64_t>(token) * view.num_kv_heads + head) * view.head_dim;
-  for (int d = threadIdx.x; d < view.head_dim; d += blockDim.x) {
-    if constexpr (std::is_same_v<U, T>) {
-      k_out[dst + d] = k[src + d];
-      v_out[dst + d] = v[src + d];
-    } else {
-      k_out[dst + d] = from_f32<T>(k[src + d]);
-      v_out[dst + d] = from_f32<T>(v[src + d]);
+  if constexpr (scaled_v<T>) {
+    static_assert(std::is_same_v<U, float>, "quantized caches take float rows");
+    quantize_row_warp(k + src, view.head_dim, k_out + dst, ks_out + dst / view.head_dim);
+    quantize_row_warp(v + src, view.head_dim, v_out + dst, vs_out + dst / view.head_dim);
+  } else {
+    for (int d = threadIdx.x; d < view.head_dim; d += blockDim.x) {
+      if constexpr (std::is_same_v<U, T>) {
+        k_out[dst + d] = k[src + d];
+        v_out[dst + d] = v[src + d];
+      } else {
+        k_out[dst + d] = from_f32<T>(k[src + d]);
+        v_out[dst + d] = from_f32<T>(v[src + d]);
+      }
     }
   }
 }
@@ -119,8 +151,9 @@ struct CopyBatch {
 static_assert(sizeof(CopyBatch) <= kMaxParamBatchBytes);
 
 /// Grid (copies, layers): block batch.entry[x].from of layer y into block .to, whole (K and V
-/// of every head, block_elems elements), 16 bytes at a time where the block allows it.
-template <Element T>
+/// of every head, block_elems elements of T: the rows, or a quantized format's scales), 16 bytes
+/// at a time where the block allows it.
+template <class T>
 __global__ void copy_blocks_kernel(T* storage, std::int64_t layer_elems, std::int64_t block_elems,
                                    CopyBatch batch) {
   const CopyEntry e = batch.entry[blockIdx.x];

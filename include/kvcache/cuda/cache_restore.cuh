@@ -27,7 +27,7 @@ namespace detail {
 /// The runs of rows that hold `keys` of sequence `seq` in `layout` (a LayoutView's segments),
 /// per KV head: fn(element offset of the run's first row from the layer's K base, head, packed
 /// index of the run's first position, rows). Host arithmetic only: nothing is dereferenced.
-template <Element T, class F>
+template <KVElement T, class F>
 void for_each_run(const KVLayout<T>& layout, int seq, const KeyRange& keys, F&& fn) {
   const LayoutView<T> view(layout, seq, keys);
   std::size_t row = 0;
@@ -54,10 +54,11 @@ void for_each_run(const KVLayout<T>& layout, int seq, const KeyRange& keys, F&& 
 ///    layers and sequences untouched; `tokens` must be empty (these layouts keep no ids). One
 ///    host-to-device copy per run of rows and head.
 /// All copies go on `stream`, which is synchronised once at the end (the paged rows are staged
-/// in host memory until then). Allocates the staging buffer and the plan (paged).
+/// in host memory until then). Quantized formats: the rows' scales go with their codes.
+/// Allocates the staging buffer and the plan (paged).
 /// @throws shape_error (ids for a layout without them), and as the host cache's restore(), all
 ///         before anything changes; cuda_error.
-template <Element T>
+template <KVElement T>
 void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
                              std::span<const SequenceTokens> tokens, cudaStream_t stream) {
   const CacheShape shape{config_.num_layers, config_.num_kv_heads, config_.head_dim, dtype_of<T>};
@@ -77,19 +78,23 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
     const std::size_t d = config_.head_dim;
     const auto s = static_cast<std::int64_t>(sinks());
     detail::MetaBatch meta;
+    const auto to_device = [&](auto* dst, const auto* src, std::size_t count) {
+      check(cudaMemcpyAsync(dst, src, count * sizeof(*src), cudaMemcpyHostToDevice, stream),
+            "cudaMemcpyAsync(restore)");
+    };
     for (const LayerRestore<T>& e : entries) {
-      T* base = storage_.data() + layer_offset(e.layer);
+      const std::size_t base = layer_offset(e.layer);
       const std::size_t held = e.held();
       detail::for_each_run(
           view(e.layer), static_cast<int>(e.seq), KeyRange{e.sink_end, e.recent_begin, e.length},
           [&](std::size_t offset, std::size_t h, std::size_t row, std::size_t n) {
-            const std::size_t at = (h * held + row) * d;
-            check(cudaMemcpyAsync(base + offset, e.k.data() + at, n * d * sizeof(T),
-                                  cudaMemcpyHostToDevice, stream),
-                  "cudaMemcpyAsync(restore)");
-            check(cudaMemcpyAsync(base + v_offset() + offset, e.v.data() + at, n * d * sizeof(T),
-                                  cudaMemcpyHostToDevice, stream),
-                  "cudaMemcpyAsync(restore)");
+            const std::size_t at = (h * held + row) * d, k_at = base + offset;
+            to_device(storage_.data() + k_at, e.k.data() + at, n * d);
+            to_device(storage_.data() + k_at + v_offset(), e.v.data() + at, n * d);
+            if constexpr (scaled_v<T>) {
+              to_device(scales_at(k_at), e.k_scale.data() + at / d, n);
+              to_device(scales_at(k_at + v_offset()), e.v_scale.data() + at / d, n);
+            }
           });
       state(e.layer, e.seq) = State{e.length, e.length <= s ? s : e.recent_begin};
       push_meta(meta, e.layer, e.seq, stream);
@@ -110,8 +115,9 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
     extents[i] = {e.layer, e.seq, static_cast<std::size_t>(e.length)};
     most_fresh += (e.held() + config_.block_size - 1) / config_.block_size;
   }
-  const std::size_t block_elems = 2 * v_offset();
+  const std::size_t block_elems = 2 * v_offset(), block_rows = block_elems / config_.head_dim;
   std::vector<T> staging(most_fresh * block_elems);
+  std::vector<scale_type> staging_scales(scaled_v<T> ? most_fresh * block_rows : 0);
   std::vector<bool> named(config_.max_batch, false);  // whose table and lengths change
   for (const LayerRestore<T>& e : entries) named[e.seq] = true;
   for (const SequenceTokens& t : tokens) {
@@ -125,11 +131,19 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
     const auto table = m.block_table(e.seq);
     for (const RestorePlan::Range r : plan.fresh_blocks(e.seq)) {
       for (std::size_t i = r.begin; i < r.end && i * config_.block_size < n; ++i) {
-        T* block = staging.data() + used++ * block_elems;
-        kvcache::detail::fill_packed_block(block, nullptr, config_.block_size, shape, e, i);
-        T* dst = storage_.data() + layer_offset(e.layer) + std::size_t{table[i]} * block_elems;
-        check(cudaMemcpyAsync(dst, block, block_elems * sizeof(T), cudaMemcpyHostToDevice, stream),
+        T* block = staging.data() + used * block_elems;
+        scale_type* scales = scaled_v<T> ? staging_scales.data() + used * block_rows : nullptr;
+        ++used;
+        kvcache::detail::fill_packed_block(block, scales, config_.block_size, shape, e, i);
+        const std::size_t dst = layer_offset(e.layer) + std::size_t{table[i]} * block_elems;
+        check(cudaMemcpyAsync(storage_.data() + dst, block, block_elems * sizeof(T),
+                              cudaMemcpyHostToDevice, stream),
               "cudaMemcpyAsync(restore)");
+        if constexpr (scaled_v<T>) {
+          check(cudaMemcpyAsync(scales_at(dst), scales, block_rows * sizeof(scale_type),
+                                cudaMemcpyHostToDevice, stream),
+                "cudaMemcpyAsync(restore)");
+        }
       }
     }
   }
@@ -142,48 +156,60 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
 
 /// The rows `layer` of `seq` holds, downloaded into host memory packed as a LayerRestore holds
 /// them: k and v [num_kv_heads][held][head_dim], held = keys(layer, seq).count() (the
-/// sequence's length, except for a ring that has evicted: its sinks, then its window). One copy
-/// per block (paged) or per run of rows and head, then one synchronisation of `stream` (after the
-/// cache's earlier work on it).
-/// @throws shape_error (k or v of another size), layer_error, batch_error, cuda_error.
-template <Element T>
-void DeviceCache<T>::read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
-                               cudaStream_t stream) const {
+/// sequence's length, except for a ring that has evicted: its sinks, then its window); a
+/// quantized format's scales into k_scale and v_scale, [num_kv_heads][held] (empty otherwise).
+/// One copy per block (paged) or per run of rows and head, then one synchronisation of `stream`
+/// (after the cache's earlier work on it).
+/// @throws shape_error (an output of another size), layer_error, batch_error, cuda_error.
+template <KVElement T>
+void DeviceCache<T>::read_rows_impl(std::size_t layer, std::size_t seq, std::span<T> k,
+                                    std::span<T> v, std::span<scale_type> k_scale,
+                                    std::span<scale_type> v_scale, cudaStream_t stream) const {
   const KeyRange held_keys = keys(layer, seq);
   const auto held = static_cast<std::size_t>(held_keys.count());
   const std::size_t row = config_.num_kv_heads * config_.head_dim;
-  if (k.size() != held * row || v.size() != held * row) {
-    throw shape_error(kvcache::detail::message("DeviceCache::read_rows: sequence ", seq, " layer ",
-                                               layer, " holds ", held, " positions: K and V need ",
-                                               held * row, " elements each, got ", k.size(),
-                                               " and ", v.size()));
+  const std::size_t scales = scaled_v<T> ? held * config_.num_kv_heads : 0;
+  if (k.size() != held * row || v.size() != held * row || k_scale.size() != scales ||
+      v_scale.size() != scales) {
+    throw shape_error(kvcache::detail::message(
+        "DeviceCache::read_rows: sequence ", seq, " layer ", layer, " holds ", held,
+        " positions: K and V need ", held * row, " elements and ", scales, " scales each, got ",
+        k.size(), " and ", v.size(), " elements, ", k_scale.size(), " and ", v_scale.size(),
+        " scales"));
   }
+  const auto to_host = [&](auto* dst, const auto* src, std::size_t count) {
+    check(cudaMemcpyAsync(dst, src, count * sizeof(*src), cudaMemcpyDeviceToHost, stream),
+          "cudaMemcpyAsync(read_rows)");
+  };
   if (!paged_) {
     const std::size_t d = config_.head_dim;
-    const T* base = storage_.data() + layer_offset(layer);
+    const std::size_t base = layer_offset(layer);
     detail::for_each_run(view(layer), static_cast<int>(seq), held_keys,
                          [&](std::size_t offset, std::size_t h, std::size_t first, std::size_t n) {
-                           const std::size_t at = (h * held + first) * d;
-                           check(cudaMemcpyAsync(k.data() + at, base + offset, n * d * sizeof(T),
-                                                 cudaMemcpyDeviceToHost, stream),
-                                 "cudaMemcpyAsync(read_rows)");
-                           check(cudaMemcpyAsync(v.data() + at, base + v_offset() + offset,
-                                                 n * d * sizeof(T), cudaMemcpyDeviceToHost, stream),
-                                 "cudaMemcpyAsync(read_rows)");
+                           const std::size_t at = (h * held + first) * d, k_at = base + offset;
+                           to_host(k.data() + at, storage_.data() + k_at, n * d);
+                           to_host(v.data() + at, storage_.data() + k_at + v_offset(), n * d);
+                           if constexpr (scaled_v<T>) {
+                             to_host(k_scale.data() + at / d, scales_at(k_at), n);
+                             to_host(v_scale.data() + at / d, scales_at(k_at + v_offset()), n);
+                           }
                          });
     check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(read_rows)");
     return;
   }
   const std::size_t len = held;  // a paged sequence holds every position
   const std::size_t bs = config_.block_size, block_elems = 2 * v_offset();
+  const std::size_t block_rows = block_elems / config_.head_dim;
   const std::size_t pages = (len + bs - 1) / bs;
   std::vector<T> staging(pages * block_elems);
+  std::vector<scale_type> staging_scales(scaled_v<T> ? pages * block_rows : 0);
   const auto table = paged_->manager().block_table(seq);
   for (std::size_t i = 0; i < pages; ++i) {
-    const T* src = storage_.data() + layer_offset(layer) + std::size_t{table[i]} * block_elems;
-    check(cudaMemcpyAsync(staging.data() + i * block_elems, src, block_elems * sizeof(T),
-                          cudaMemcpyDeviceToHost, stream),
-          "cudaMemcpyAsync(read_rows)");
+    const std::size_t src = layer_offset(layer) + std::size_t{table[i]} * block_elems;
+    to_host(staging.data() + i * block_elems, storage_.data() + src, block_elems);
+    if constexpr (scaled_v<T>) {
+      to_host(staging_scales.data() + i * block_rows, scales_at(src), block_rows);
+    }
   }
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(read_rows)");
   // the staged blocks as a paged layout of their own, block i at index i
@@ -192,9 +218,11 @@ void DeviceCache<T>::read_rows(std::size_t layer, std::size_t seq, std::span<T> 
   const KVLayout<T> staged = paged_layout(
       static_cast<const T*>(staging.data()), static_cast<int>(config_.num_kv_heads),
       static_cast<int>(config_.head_dim), static_cast<int>(bs),
-      static_cast<std::int64_t>(block_elems), identity.data(), 1, static_cast<int>(pages));
+      static_cast<std::int64_t>(block_elems), identity.data(), 1, static_cast<int>(pages),
+      scaled_v<T> ? static_cast<const scale_type*>(staging_scales.data()) : nullptr);
   kvcache::detail::pack_view_rows(
-      LayoutView<T>(staged, 0, KeyRange{0, 0, static_cast<std::int64_t>(len)}), k.data(), v.data());
+      LayoutView<T>(staged, 0, KeyRange{0, 0, static_cast<std::int64_t>(len)}), k.data(), v.data(),
+      k_scale.data(), v_scale.data());
 }
 
 }  // namespace kvcache::cuda

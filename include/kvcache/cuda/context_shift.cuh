@@ -34,6 +34,8 @@ namespace kvcache::cuda {
 ///  - ring (SlidingWindowCache): once the window has evicted, the shift must keep what it holds
 ///    (n_keep at most the sinks; dropping some sinks drops the whole evicted gap);
 ///  - contiguous (StaticCache): any shift.
+/// int8 and fp8 caches: each moved key is read back (codes x scale), turned, and quantized again
+/// with a fresh scale, as the host caches do.
 ///
 /// Staged through host memory, for the occasional shift of a full context rather than every
 /// step: the sequence's rows are downloaded (read_rows(), one synchronisation of `stream` per
@@ -43,7 +45,7 @@ namespace kvcache::cuda {
 ///         n_discard past the sequence's length, layers of different lengths, a window's shift
 ///         named above), pool_exhausted_error (paged: the pool cannot hold the rewritten
 ///         blocks): the cache is unchanged. cuda_error.
-template <Element T>
+template <KVElement T>
 void context_shift(DeviceCache<T>& cache, std::size_t seq, std::size_t n_keep,
                    std::size_t n_discard, const Rope& rope, cudaStream_t stream) {
   const DeviceCacheConfig& c = cache.config();
@@ -59,10 +61,18 @@ void context_shift(DeviceCache<T>& cache, std::size_t seq, std::size_t n_keep,
         first[l] + static_cast<std::size_t>(cache.keys(l, seq).count()) * shape.token_elems();
   }
   std::vector<T> k(first.back()), v(k.size());
+  // quantized formats: the rows' scales, packed as the rows (one per head_dim elements)
+  const std::size_t d = c.head_dim;
+  std::vector<scale_type> ks(scaled_v<T> ? k.size() / d : 0), vs(ks.size());
   for (std::size_t l = 0; l < c.num_layers; ++l) {
     const std::size_t n = first[l + 1] - first[l];
-    cache.read_rows(l, seq, std::span<T>(k).subspan(first[l], n),
-                    std::span<T>(v).subspan(first[l], n), stream);
+    const auto kl = std::span<T>(k).subspan(first[l], n), vl = std::span<T>(v).subspan(first[l], n);
+    if constexpr (scaled_v<T>) {
+      cache.read_rows(l, seq, kl, vl, std::span(ks).subspan(first[l] / d, n / d),
+                      std::span(vs).subspan(first[l] / d, n / d), stream);
+    } else {
+      cache.read_rows(l, seq, kl, vl, stream);
+    }
   }
   const auto view_of = [&](std::size_t l) {
     const KeyRange r = cache.keys(l, seq);
@@ -70,10 +80,13 @@ void context_shift(DeviceCache<T>& cache, std::size_t seq, std::size_t n_keep,
     const auto sink_rows = static_cast<std::size_t>(r.sink_end);
     const T* kl = k.data() + first[l];
     const T* vl = v.data() + first[l];
-    SegmentView<T, 2> view(c.num_kv_heads, c.head_dim, r.length, r.sink_end, r.recent_begin);
-    view.push({kl, vl, held * c.head_dim, 0, sink_rows});
-    view.push({kl + sink_rows * c.head_dim, vl + sink_rows * c.head_dim, held * c.head_dim,
-               r.recent_begin, held - sink_rows});
+    const scale_type* ksl = scaled_v<T> ? ks.data() + first[l] / d : nullptr;
+    const scale_type* vsl = scaled_v<T> ? vs.data() + first[l] / d : nullptr;
+    const auto at = [](const scale_type* p, std::size_t rows) { return p ? p + rows : nullptr; };
+    SegmentView<T, 2> view(c.num_kv_heads, d, r.length, r.sink_end, r.recent_begin);
+    view.push({kl, vl, held * d, 0, sink_rows, ksl, vsl});
+    view.push({kl + sink_rows * d, vl + sink_rows * d, held * d, r.recent_begin, held - sink_rows,
+               at(ksl, sink_rows), at(vsl, sink_rows)});
     return view;
   };
   const kvcache::detail::ShiftedRows<T> rows =

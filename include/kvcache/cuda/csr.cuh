@@ -67,7 +67,7 @@ __global__ void export_csr_kernel(const block_id* table, int max_blocks, std::in
 /// the host (the metadata travels as kernel parameters). Returns the sizes written.
 /// @throws shape_error (not paged; arrays shorter than needed), layer_error, batch_error,
 ///         capacity_error (beyond int32), cuda_error; nothing is launched then.
-template <Element T>
+template <KVElement T>
 CsrSizes export_csr(const DeviceCache<T>& cache, std::size_t layer,
                     std::span<const std::size_t> seqs, const DeviceCsr& out, cudaStream_t stream) {
   const BlockManager<>& m = cache.paged();

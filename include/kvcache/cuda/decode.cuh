@@ -3,7 +3,8 @@
 // one KV head share every K/V tile read), split-KV (flash-decoding) with a merge kernel for long
 // contexts, fp32 accumulation, window and sink masks, contiguous, ring and paged layouts. This
 // header gathers the kernels (decode_cuda_cores.cuh for fp32 K/V, decode_tensor_cores.cuh and
-// decode_per_warp.cuh for fp16/bf16, decode_merge.cuh) and holds what queries a device for them:
+// decode_per_warp.cuh for fp16/bf16, decode_merge.cuh; int8 and fp8 codes go to the CUDA-core
+// kernel, which reads them directly) and holds what queries a device for them:
 // make_decode_setup and the workspace size on the current device. Planning is decode_plan.hpp.
 #pragma once
 
@@ -41,10 +42,11 @@ void allow_smem(Kernel kernel, std::size_t bytes) {
 }
 
 /// Queries the current device for `kernel` over T K/V and head_dim D (decode_attention_kernel<
-/// float, D, G>, decode_attention_mma_kernel<T, D> or decode_attention_warp_kernel<T, D, G>)
-/// serving `group` query heads per KV head, raising its shared-memory limit there.
+/// T, D, G> for f32, int8 and fp8, decode_attention_mma_kernel<T, D> or
+/// decode_attention_warp_kernel<T, D, G>) serving `group` query heads per KV head, raising its
+/// shared-memory limit there.
 /// @throws cuda_error.
-template <Element T, int D>
+template <KVElement T, int D>
 DecodeSetup query_decode_setup(int group, DecodeKernel kernel) {
   DecodeSetup setup{.dtype = dtype_of<T>, .head_dim = D, .group = group, .kernel = kernel};
   check(cudaGetDevice(&setup.device), "cudaGetDevice");
@@ -56,7 +58,7 @@ DecodeSetup query_decode_setup(int group, DecodeKernel kernel) {
                                                         kDecodeThreads, setup.smem_bytes),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   };
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (kCudaCoreDecode<T>) {
     const int chunk_group = decode_chunk_group(group);
     setup.smem_bytes = decode_smem_bytes<T>(D, chunk_group, decode_stages<T, D>());
     dispatch_head_bucket(
@@ -85,7 +87,7 @@ DecodeSetup query_decode_setup(int group, DecodeKernel kernel) {
 /// (DeviceAttendArgs::decode_setup).
 /// @throws shape_error (head_dim not 64/128/256, num_q_heads not a multiple of num_kv_heads,
 ///         a kernel that does not serve T), cuda_error.
-template <Element T>
+template <KVElement T>
 [[nodiscard]] DecodeSetup make_decode_setup(int num_q_heads, int num_kv_heads, int head_dim,
                                             DecodeKernel kernel = default_decode_kernel<T>) {
   detail::check_heads("CUDA decode setup", num_q_heads, num_kv_heads);
@@ -99,7 +101,7 @@ template <Element T>
 
 /// decode_workspace_bytes for the current device, its setup queried first.
 /// @throws shape_error (as launch_decode_attention), cuda_error.
-template <Element T>
+template <KVElement T>
 [[nodiscard]] std::size_t decode_workspace_bytes(int num_seqs, int num_q_heads, int num_kv_heads,
                                                  int head_dim, std::int64_t max_keys) {
   const DecodeSetup setup = make_decode_setup<T>(num_q_heads, num_kv_heads, head_dim);

@@ -23,27 +23,28 @@ namespace kvcache::cuda::detail {
 
 /// Byte stride of one K or V row in a shared-memory tile: 16 bytes of padding keep consecutive
 /// keys' 16-byte loads on different banks.
-template <Element T>
+template <KVElement T>
 __host__ __device__ constexpr int tile_row_bytes(int head_dim) {
   return head_dim * static_cast<int>(sizeof(T)) + 16;
 }
 
 /// Shared memory of the decode kernel, in bytes: q [G][D] floats; K and V tiles, one per
 /// pipeline stage [stages][kDecodeTile][row]; their positions [stages][kDecodeTile]; partial
-/// scores [2][G][kDecodeTile]; per-head m, l, correction.
-template <Element T>
+/// scores [2][G][kDecodeTile]; per-head m, l, correction; for a quantized format the tiles' K and
+/// V row scales as floats, [2][stages][kDecodeTile].
+template <KVElement T>
 __host__ __device__ constexpr std::size_t decode_smem_bytes(int head_dim, int group, int stages) {
   const std::size_t g = static_cast<std::size_t>(group);
   const std::size_t n = static_cast<std::size_t>(stages);
   return g * head_dim * sizeof(float) +
          2 * n * kDecodeTile * static_cast<std::size_t>(tile_row_bytes<T>(head_dim)) +
          n * kDecodeTile * sizeof(std::int64_t) + 2 * g * kDecodeTile * sizeof(float) +
-         3 * g * sizeof(float);
+         3 * g * sizeof(float) + (scaled_v<T> ? 2 * n * kDecodeTile * sizeof(float) : 0);
 }
 
 /// Pipeline stages of the decode kernel: double-buffered K/V tiles (the next tile's copies in
 /// flight while this one is used) wherever they fit, else one buffer (float K/V at head_dim 256).
-template <Element T, int D>
+template <KVElement T, int D>
 __host__ __device__ constexpr int decode_stages() {
   return decode_smem_bytes<T>(D, kMaxGroup, 2) <= kMaxSmemBytes ? 2 : 1;
 }
@@ -148,17 +149,46 @@ __device__ __forceinline__ float2 load_pair(const float* p) {
   return *reinterpret_cast<const float2*>(p);
 }
 
+/// The code of a quantized format whose bits are the low byte of b.
+template <QuantizedElement T>
+__device__ __forceinline__ T code_of_byte(unsigned b) {
+  if constexpr (std::is_same_v<T, qint8>) {
+    return qint8(static_cast<std::int8_t>(static_cast<std::uint8_t>(b & 0xffu)));
+  } else {
+    return fp8_e4m3::from_bits(static_cast<std::uint8_t>(b & 0xffu));
+  }
+}
+
+/// The values of the 16 codes at p (16-byte aligned); the row's scale is applied apart.
+template <QuantizedElement T>
+__device__ __forceinline__ void load16(const T* p, float* out) {
+  const uint4 w = *reinterpret_cast<const uint4*>(p);
+  const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) out[i] = decode(code_of_byte<T>(words[i / 4] >> (8 * (i % 4))));
+}
+
+/// The values of the 2 codes at p; the row's scale is applied apart.
+template <QuantizedElement T>
+__device__ __forceinline__ float2 load_pair(const T* p) {
+  return make_float2(decode(p[0]), decode(p[1]));
+}
+
 /// Loads logical keys [i0, i0 + kRows) of (seq, kv_head) into one K and one V tile with 16-byte
 /// cp.async copies, kThreads threads; rows at or past `end` are zero-filled (so that p * V stays
 /// finite) and get position -1. Each warp loads kRows / warps consecutive rows: lane l first finds
 /// the position and element offset of the warp's row l (one block-table lookup and division per
 /// row, not per 16-byte chunk), then the warp copies 32 / chunks-per-row rows at a time, each
-/// lane reading its row's offset from the lane that found it.
-template <Element T, int D, int kThreads, int kRows>
+/// lane reading its row's offset from the lane that found it. A quantized format's row scales
+/// go (as floats, plain loads, 0 for rows past `end`) to k_scale_tile and v_scale_tile
+/// [kRows], which are unused (may be null) for f32/f16/bf16.
+template <KVElement T, int D, int kThreads, int kRows>
 __device__ __forceinline__ void load_kv_tile(const DeviceKVView<T>& view, int seq, int kv_head,
                                              const KeyRange& keys, std::int64_t i0,
                                              std::int64_t end, char* k_tile, char* v_tile,
-                                             std::int64_t* pos_tile, int tid) {
+                                             std::int64_t* pos_tile, int tid,
+                                             float* k_scale_tile = nullptr,
+                                             float* v_scale_tile = nullptr) {
   constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks per row
   constexpr int kStride = tile_row_bytes<T>(D);
   constexpr int kWarpRows = kRows / (kThreads / 32);
@@ -175,6 +205,10 @@ __device__ __forceinline__ void load_kv_tile(const DeviceKVView<T>& view, int se
     const std::int64_t pos = my_valid ? keys.pos(i) : -1;
     if (my_valid) my_off = view.row_offset(seq, kv_head, pos);
     pos_tile[row0 + lane] = pos;
+    if constexpr (scaled_v<T>) {
+      k_scale_tile[row0 + lane] = my_valid ? static_cast<float>(view.k_scale[my_off / D]) : 0.0f;
+      v_scale_tile[row0 + lane] = my_valid ? static_cast<float>(view.v_scale[my_off / D]) : 0.0f;
+    }
   }
   const int sub = kChunks >= 32 ? 0 : lane / kChunks;  // this lane's row within a step
   const int chunk0 = kChunks >= 32 ? lane : lane % kChunks;
@@ -273,7 +307,7 @@ struct DecodeBlockWork {
   std::int64_t qpos = 0, begin = 0, end = 0;
   KeyRange keys;
 };
-template <Element T>
+template <KVElement T>
 __device__ __forceinline__ DecodeBlockWork decode_block_work(const DeviceKVView<T>& view,
                                                              const DecodeArgs& args) {
   const int num_q_heads = args.num_q_heads, chunk_group = args.chunk_group;

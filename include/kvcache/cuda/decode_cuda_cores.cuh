@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Decode attention for fp32 K/V on CUDA cores (DecodeKernel::cuda_cores).
+// Decode attention for fp32, int8 and fp8 K/V on CUDA cores (DecodeKernel::cuda_cores).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -13,7 +13,10 @@
 
 namespace kvcache::cuda::detail {
 
-/// Decode attention for fp32 K/V on CUDA cores (fp16/bf16 K/V take decode_attention_mma_kernel).
+/// Decode attention for fp32 K/V, and for int8 and fp8 codes read directly, on CUDA cores
+/// (fp16/bf16 K/V take decode_attention_mma_kernel). A quantized row's K scale multiplies its
+/// q.k, and its V scale the softmax weight of a key the query sees (a key it does not see keeps
+/// weight 0, whatever its scale).
 /// One block per (split, KV head x head chunk, sequence), its query token at position
 /// length - 1; the block serves query heads [h0, h0 + ng) of the KV head. Per tile: partial q.k
 /// for every (query head, key) — thread = (key, half of head_dim) so that a warp reads 32
@@ -22,10 +25,11 @@ namespace kvcache::cuda::detail {
 /// normalised output when num_splits == 1, else the unnormalised partial (acc, m, l) that
 /// decode_merge_kernel combines. G = decode_head_bucket(chunk_group): the heads the p.V
 /// accumulators are unrolled for.
-template <Element T, int D, int G>
+template <KVElement T, int D, int G>
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_kernel(DeviceKVView<T> view, DecodeArgs args) {
-  static_assert(std::is_same_v<T, float>, "fp16/bf16 K/V: decode_attention_mma_kernel");
+  static_assert(std::is_same_v<T, float> || scaled_v<T>,
+                "fp16/bf16 K/V: decode_attention_mma_kernel");
   static_assert(kDecodeThreads == 2 * kDecodeTile, "thread = (key, half of head_dim)");
   constexpr int kStages = decode_stages<T, D>();
   static_assert(decode_smem_bytes<T>(D, kMaxGroup, kStages) <= kMaxSmemBytes);
@@ -51,6 +55,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float* m_s = s_s + 2 * ng * kDecodeTile;
   float* l_s = m_s + ng;
   float* corr_s = l_s + ng;
+  float* k_scales = corr_s + ng;  // quantized formats: [stages][tile] K, then V, row scales
+  float* v_scales = k_scales + kStages * kDecodeTile;
 
   for (int i = tid; i < ng * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
@@ -67,13 +73,16 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int num_pairs = (ng * (D / 2) + kDecodeThreads - 1) / kDecodeThreads;
 
   auto load = [&](std::int64_t i, int b) {
-    load_kv_tile<T, D, kDecodeThreads, kDecodeTile>(view, seq, kv_head, keys, i, end, k_tile_at(b),
-                                                    v_tile_at(b), pos_tiles + b * kDecodeTile, tid);
+    load_kv_tile<T, D, kDecodeThreads, kDecodeTile>(
+        view, seq, kv_head, keys, i, end, k_tile_at(b), v_tile_at(b), pos_tiles + b * kDecodeTile,
+        tid, k_scales + b * kDecodeTile, v_scales + b * kDecodeTile);
   };
   auto compute = [&](std::int64_t, int buf) {
     const char* k_tile = k_tile_at(buf);
     const char* v_tile = v_tile_at(buf);
     const std::int64_t* pos_tile = pos_tiles + buf * kDecodeTile;
+    [[maybe_unused]] const float* k_scale = k_scales + buf * kDecodeTile;
+    [[maybe_unused]] const float* v_scale = v_scales + buf * kDecodeTile;
 
     {  // partial q.k over one half of head_dim, four query heads per pass over the row
       const int key = tid % kDecodeTile, part = tid / kDecodeTile;
@@ -109,16 +118,23 @@ __global__ void __launch_bounds__(kDecodeThreads)
       float* s = s_s + g * kDecodeTile;
       const float* s_other = s_s + (ng + g) * kDecodeTile;
       float sc[2];
-      bool bad = false;
+      bool bad = false, seen[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_tile[j];
-        sc[h] = transform_score(args.mask.score(s[j] + s_other[j], seq, 0, h0 + g, pos),
-                                args.softcap, pos >= 0 && args.mask.visible(qpos, pos), bad);
+        float dot = s[j] + s_other[j];
+        if constexpr (scaled_v<T>) dot *= k_scale[j];
+        seen[h] = pos >= 0 && args.mask.visible(qpos, pos);
+        sc[h] =
+            transform_score(args.mask.score(dot, seq, 0, h0 + g, pos), args.softcap, seen[h], bad);
       }
       float p[2];
       online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane, bad);
+      if constexpr (scaled_v<T>) {  // weights of the codes: the V scale folded in
+        p[0] = seen[0] ? p[0] * v_scale[lane] : 0.0f;
+        p[1] = seen[1] ? p[1] * v_scale[lane + 32] : 0.0f;
+      }
       s[lane] = p[0];
       s[lane + 32] = p[1];
     }

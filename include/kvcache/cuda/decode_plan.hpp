@@ -151,10 +151,16 @@ enum class DecodeKernel : int {
   return "unknown";
 }
 
+/// True for the K/V formats decode attention reads on CUDA cores only (DecodeKernel::cuda_cores):
+/// f32, and the int8 and fp8 codes (read directly, their row scales applied per key). fp16 and
+/// bf16 K/V take the tensor-core kernels.
+template <KVElement T>
+inline constexpr bool kCudaCoreDecode = std::is_same_v<T, float> || QuantizedElement<T>;
+
 /// The kernel a DecodeSetup for T K/V takes when none is named.
-template <Element T>
+template <KVElement T>
 inline constexpr DecodeKernel default_decode_kernel =
-    std::is_same_v<T, float> ? DecodeKernel::cuda_cores : DecodeKernel::tensor_cores;
+    kCudaCoreDecode<T> ? DecodeKernel::cuda_cores : DecodeKernel::tensor_cores;
 
 /// What a decode launch is sized by on one device, queried once (make_decode_setup) rather than
 /// on every launch: the decode kernel's dynamic shared memory for this dtype, head_dim and GQA
@@ -176,14 +182,15 @@ struct DecodeSetup {
 
 namespace detail {
 
-/// @throws shape_error unless `kernel` serves T K/V (cuda_cores: float; the others fp16/bf16).
-template <Element T>
+/// @throws shape_error unless `kernel` serves T K/V (cuda_cores: float, int8, fp8; the others
+///         fp16/bf16).
+template <KVElement T>
 void check_kernel(DecodeKernel kernel, const char* what) {
-  const bool fp32 = std::is_same_v<T, float>;
+  const bool cores = kCudaCoreDecode<T>;
   const bool ok = kernel == DecodeKernel::cuda_cores
-                      ? fp32
-                      : !fp32 && (kernel == DecodeKernel::tensor_cores ||
-                                  kernel == DecodeKernel::tensor_cores_per_warp);
+                      ? cores
+                      : !cores && (kernel == DecodeKernel::tensor_cores ||
+                                   kernel == DecodeKernel::tensor_cores_per_warp);
   if (!ok) {
     throw shape_error(kvcache::detail::message(what, ": decode kernel ", decode_kernel_name(kernel),
                                                " (", static_cast<int>(kernel), ") does not serve ",
@@ -200,7 +207,7 @@ inline int decode_max_group(const DecodeSetup& setup) {
 
 /// @throws shape_error unless `setup` was made for T, head_dim and group (on any device) and
 ///         names a kernel for T.
-template <Element T>
+template <KVElement T>
 void check_setup(const DecodeSetup& setup, int head_dim, int group, const char* what) {
   if (setup.dtype != dtype_of<T> || setup.head_dim != head_dim || setup.group != group ||
       setup.blocks_per_sm < 1 || setup.num_sms < 1) {
@@ -228,7 +235,7 @@ inline DecodePlan plan_decode(const DecodeSetup& setup, int num_seqs, int num_kv
 /// every split, 0 when one split suffices. Non-decreasing in max_keys: query it once for the
 /// longest context served, allocate, and reuse the buffer for every launch. No CUDA call.
 /// @throws shape_error (setup made for another dtype, head_dim or group).
-template <Element T>
+template <KVElement T>
 [[nodiscard]] std::size_t decode_workspace_bytes(const DecodeSetup& setup, int num_seqs,
                                                  int num_q_heads, int num_kv_heads, int head_dim,
                                                  std::int64_t max_keys) {

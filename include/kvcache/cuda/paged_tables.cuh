@@ -49,20 +49,24 @@ class PagedTables {
   /// BlockManager::begin_append() of counts[i] tokens to seqs[i] (ids: sum(counts) ids grouped
   /// like them, or nullptr), then the copy-on-write copies of the whole batch in one launch per
   /// kMaxCopiesPerLaunch (every layer of each block, whole: `storage`, `layer_elems` from one
-  /// layer to the next, `block_elems` per block), then the new table entries. The caller writes
-  /// the rows and calls end_append(). @throws as BlockManager::begin_append (nothing changed),
-  /// cuda_error.
-  template <Element T>
+  /// layer to the next, `block_elems` per block; and a quantized format's `scales`, one per row of
+  /// head_dim elements, laid out as the rows; null otherwise), then the new table entries. The
+  /// caller writes the rows and calls end_append(). @throws as BlockManager::begin_append
+  /// (nothing changed), cuda_error.
+  template <KVElement T>
   std::span<const BlockManager<>::AppendPlan> begin_append(
       std::size_t layer, std::span<const std::size_t> seqs, std::span<const std::size_t> counts,
       const token_id* ids, T* storage, std::size_t layer_elems, std::size_t block_elems,
-      cudaStream_t stream) {
+      scale_type* scales, std::size_t head_dim, cudaStream_t stream) {
     for (std::size_t i = 0, t = 0; i < seqs.size(); t += counts[i++]) {
       requests_[i] = {seqs[i], counts[i], ids == nullptr ? nullptr : ids + t};
     }
     const auto plans = std::span(plans_).first(seqs.size());
     manager_.begin_append(layer, std::span(requests_).first(seqs.size()), plans);
     copy_blocks(plans, storage, layer_elems, block_elems, stream);
+    if (scales != nullptr) {
+      copy_blocks(plans, scales, layer_elems / head_dim, block_elems / head_dim, stream);
+    }
     for (const auto& plan : plans) {
       // from the first block written; end_append() may switch committed ones after it
       sync_from_[plan.seq] =
@@ -121,7 +125,7 @@ class PagedTables {
   }
 
  private:
-  template <Element T>
+  template <class T>
   void copy_blocks(std::span<const BlockManager<>::AppendPlan> plans, T* storage,
                    std::size_t layer_elems, std::size_t block_elems, cudaStream_t stream) {
     detail::CopyBatch batch;

@@ -25,7 +25,7 @@ namespace detail {
 
 // A host PagedCache with the device cache's shape, slots, max_seq_len and block size, and
 // `blocks` blocks: the staging of a device snapshot.
-template <Element T>
+template <KVElement T>
 PagedCache<T> staging_cache(const DeviceCache<T>& cache, std::size_t blocks) {
   const DeviceCacheConfig& c = cache.config();
   return PagedCache<T>({.num_layers = c.num_layers,
@@ -37,24 +37,45 @@ PagedCache<T> staging_cache(const DeviceCache<T>& cache, std::size_t blocks) {
                         .max_seq_len = c.max_seq_len});
 }
 
+// The rows of every (layer, seq) collect() gathers, and a quantized format's scales.
+template <KVElement T>
+struct CollectedRows {
+  std::vector<std::vector<T>> rows;
+  std::vector<std::vector<scale_type>> scales;
+};
+
 // What restore() takes to put `seqs` of `source` into another cache: per (layer, seq) the rows
-// (`rows` owns them), per seq its ids, exact prefix and extra key. read(l, q, k, v) fills rows.
-template <Element T, class Source, class Read>
+// (`store` owns them), per seq its ids, exact prefix and extra key. read(l, q, k, v, k_scale,
+// v_scale) fills the rows (and for a quantized format their scales: empty spans otherwise);
+// `row` is num_kv_heads x head_dim, `heads` num_kv_heads.
+template <KVElement T, class Source, class Read>
 void collect(const Source& source, std::span<const std::size_t> seqs, std::size_t num_layers,
-             std::size_t row, Read&& read, std::vector<std::vector<T>>& rows,
+             std::size_t row, std::size_t heads, Read&& read, CollectedRows<T>& store,
              std::vector<LayerRestore<T>>& entries, std::vector<SequenceTokens>& tokens) {
-  rows.reserve(2 * seqs.size() * num_layers);
+  store.rows.reserve(2 * seqs.size() * num_layers);
+  store.scales.reserve(scaled_v<T> ? 2 * seqs.size() * num_layers : 0);
   for (std::size_t q : seqs) {
     for (std::size_t l = 0; l < num_layers; ++l) {
       const std::size_t len = source.layer_length(l, q);
-      std::vector<T>& k = rows.emplace_back(len * row);
-      std::vector<T>& v = rows.emplace_back(len * row);
-      read(l, q, std::span<T>(k), std::span<T>(v));
-      entries.push_back({.layer = l,
-                         .seq = q,
-                         .length = static_cast<position_t>(len),
-                         .k = std::span<const T>(k),
-                         .v = std::span<const T>(v)});
+      std::vector<T>& k = store.rows.emplace_back(len * row);
+      std::vector<T>& v = store.rows.emplace_back(len * row);
+      LayerRestore<T> e;
+      e.layer = l;
+      e.seq = q;
+      e.length = static_cast<position_t>(len);
+      e.k = k;
+      e.v = v;
+      if constexpr (scaled_v<T>) {
+        std::vector<scale_type>& ks = store.scales.emplace_back(len * heads);
+        std::vector<scale_type>& vs = store.scales.emplace_back(len * heads);
+        read(l, q, std::span<T>(k), std::span<T>(v), std::span(ks), std::span(vs));
+        e.k_scale = ks;
+        e.v_scale = vs;
+      } else {
+        read(l, q, std::span<T>(k), std::span<T>(v), std::span<scale_type>(),
+             std::span<scale_type>());
+      }
+      entries.push_back(e);
     }
     tokens.push_back({.seq = q,
                       .ids = source.tokens(q),
@@ -72,7 +93,7 @@ void collect(const Source& source, std::span<const std::size_t> seqs, std::size_
 /// saved K/V. The device cache is only read.
 /// @throws shape_error (not paged; a sequence listed twice), batch_error, io_error,
 ///         cuda_error, std::bad_alloc.
-template <Element T>
+template <KVElement T>
 void save_snapshot(const std::filesystem::path& path, const DeviceCache<T>& cache,
                    const ModelId& model_id, std::span<const std::size_t> seqs = {},
                    const SaveOptions& options = {}, cudaStream_t stream = nullptr) {
@@ -85,14 +106,19 @@ void save_snapshot(const std::filesystem::path& path, const DeviceCache<T>& cach
   std::size_t blocks = 0;
   for (std::size_t q : list) blocks += m.block_table(q).size();
   PagedCache<T> staging = detail::staging_cache(cache, blocks);
-  std::vector<std::vector<T>> rows;
+  detail::CollectedRows<T> rows;
   std::vector<LayerRestore<T>> entries;
   std::vector<SequenceTokens> tokens;
   const DeviceCacheConfig& c = cache.config();
   detail::collect<T>(
-      m, list, c.num_layers, c.num_kv_heads * c.head_dim,
-      [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v) {
-        cache.read_rows(l, q, k, v, stream);
+      m, list, c.num_layers, c.num_kv_heads * c.head_dim, c.num_kv_heads,
+      [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v, std::span<scale_type> ks,
+          std::span<scale_type> vs) {
+        if constexpr (scaled_v<T>) {
+          cache.read_rows(l, q, k, v, ks, vs, stream);
+        } else {
+          cache.read_rows(l, q, k, v, stream);
+        }
       },
       rows, entries, tokens);
   staging.restore(entries, tokens);
@@ -109,7 +135,7 @@ void save_snapshot(const std::filesystem::path& path, const DeviceCache<T>& cach
 /// @throws as kvcache::load_snapshot() (snapshot_mismatch_error for another policy, model or
 ///         shape), shape_error (not paged), pool_exhausted_error (the device pool lacks the
 ///         blocks), cuda_error, std::bad_alloc.
-template <Element T>
+template <KVElement T>
 SnapshotInfo load_snapshot(const std::filesystem::path& path, DeviceCache<T>& cache,
                            const ModelId& model_id, const LoadOptions& options = {},
                            cudaStream_t stream = nullptr) {
@@ -124,14 +150,16 @@ SnapshotInfo load_snapshot(const std::filesystem::path& path, DeviceCache<T>& ca
   if (dest.empty()) {
     for (const SnapshotSequenceInfo& s : info.sequences) dest.push_back(s.seq);
   }
-  std::vector<std::vector<T>> rows;
+  detail::CollectedRows<T> rows;
   std::vector<LayerRestore<T>> entries;
   std::vector<SequenceTokens> tokens;
   const DeviceCacheConfig& c = cache.config();
   detail::collect<T>(
-      staging, dest, c.num_layers, c.num_kv_heads * c.head_dim,
-      [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v) {
-        kvcache::detail::pack_view_rows(staging.view(l, q), k.data(), v.data());
+      staging, dest, c.num_layers, c.num_kv_heads * c.head_dim, c.num_kv_heads,
+      [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v, std::span<scale_type> ks,
+          std::span<scale_type> vs) {
+        kvcache::detail::pack_view_rows(staging.view(l, q), k.data(), v.data(), ks.data(),
+                                        vs.data());
       },
       rows, entries, tokens);
   cache.restore(entries, tokens, stream);

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Device views: one layer of a batch of sequences in device memory, described by the layout
 // descriptor the host caches also use (KVLayout: contiguous, ring with sinks, paged) and the mask
-// (KVMask), plus the element conversions device code needs. Absolute positions, the present set
-// [0, sink_end) and [recent_begin, length) per sequence, as the CPU views.
+// (KVMask), plus the element conversions device code needs (the quantized formats' codes and
+// scales: core/format.hpp, whose functions run on the device too). Absolute positions, the present
+// set [0, sink_end) and [recent_begin, length) per sequence, as the CPU views.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -15,6 +16,7 @@
 #include <cstdint>
 
 #include "kvcache/core/dtype.hpp"
+#include "kvcache/core/format.hpp"
 #include "kvcache/core/layout.hpp"
 #include "kvcache/core/mask.hpp"
 #include "kvcache/cuda/runtime.cuh"
@@ -27,7 +29,7 @@ using Layout = LayoutKind;
 /// One layer of a batch of sequences in device memory: the library's one layout descriptor
 /// (KVLayout, core/layout.hpp) with device pointers. Built by DeviceCache::view(), or by hand for
 /// K/V an engine keeps in its own buffers; kernels take it by value.
-template <Element T>
+template <KVElement T>
 using DeviceKVView = KVLayout<T>;
 
 /// The mask of an attention call, as the kernels read it (KVMask, core/mask.hpp; the sink scores
@@ -60,6 +62,17 @@ __device__ __forceinline__ T from_f32(float x) {
       out.bits = __bfloat16_as_ushort(__float2bfloat16_rn(x));
     }
     return out;
+  }
+}
+
+/// A stored K/V element as a float: the element itself, or a quantized code's value (the row's
+/// scale applied apart, once per row).
+template <KVElement T>
+__device__ __forceinline__ float element_value(T x) {
+  if constexpr (Element<T>) {
+    return to_f32(x);
+  } else {
+    return decode(x);
   }
 }
 
