@@ -313,9 +313,8 @@ class KeyWalker {
     const std::size_t offset =
         s.head_stride * kv_head_ + static_cast<std::size_t>(pos_ - s.first_pos) * view_.head_dim();
     KeyRun<T> run{s.k + offset, s.v + offset, pos_, keys};
-    if constexpr (scaled_v<T>) {
-      const std::size_t row = s.head_stride / view_.head_dim() * kv_head_ +
-                              static_cast<std::size_t>(pos_ - s.first_pos);
+    if constexpr (scaled_v<T>) {  // one scale per row: its index is the row's, over head_dim
+      const std::size_t row = offset / view_.head_dim();
       run.k_scale = s.k_scale + row;
       run.v_scale = s.v_scale + row;
     }

@@ -177,16 +177,16 @@ void check_window_restore(const char* cache, std::span<const LayerRestore<T>> en
   }
 }
 
-/// Copies positions [first, first + n) of a packed head-major [heads][held][head_dim] source,
-/// starting at packed index `src_first`, into storage rows dst + h * head_stride + slot * dim.
+/// Copies positions [src_first, src_first + n) of a packed head-major [heads][held][row_len]
+/// source into storage rows dst + h * head_stride + slot * row_len, from slot dst_slot (rows of
+/// head_dim elements, or of one scale).
 template <class T>
-void copy_packed_rows(T* dst, std::size_t head_stride, std::size_t dst_slot, const T* src,
-                      std::size_t held, std::size_t src_first, std::size_t n,
-                      const CacheShape& shape) noexcept {
-  const std::size_t d = shape.head_dim;
-  for (std::size_t h = 0; h < shape.num_kv_heads; ++h) {
-    const T* from = src + (h * held + src_first) * d;
-    std::copy(from, from + n * d, dst + h * head_stride + dst_slot * d);
+void copy_packed_rows(T* dst, std::size_t heads, std::size_t row_len, std::size_t head_stride,
+                      std::size_t dst_slot, const T* src, std::size_t held, std::size_t src_first,
+                      std::size_t n) noexcept {
+  for (std::size_t h = 0; h < heads; ++h) {
+    const T* from = src + (h * held + src_first) * row_len;
+    std::copy(from, from + n * row_len, dst + h * head_stride + dst_slot * row_len);
   }
 }
 
@@ -198,14 +198,13 @@ template <KVElement T>
 void restore_rows(T* k, T* v, scale_type* k_scale, scale_type* v_scale, std::size_t head_stride,
                   std::size_t dst_slot, const LayerRestore<T>& e, std::size_t src_first,
                   std::size_t n, const CacheShape& shape) noexcept {
-  const std::size_t held = e.held();
-  copy_packed_rows(k, head_stride, dst_slot, e.k.data(), held, src_first, n, shape);
-  copy_packed_rows(v, head_stride, dst_slot, e.v.data(), held, src_first, n, shape);
+  const std::size_t held = e.held(), heads = shape.num_kv_heads, d = shape.head_dim;
+  copy_packed_rows(k, heads, d, head_stride, dst_slot, e.k.data(), held, src_first, n);
+  copy_packed_rows(v, heads, d, head_stride, dst_slot, e.v.data(), held, src_first, n);
   if constexpr (scaled_v<T>) {
-    const CacheShape one{shape.num_layers, shape.num_kv_heads, 1, shape.dtype};
-    const std::size_t stride = head_stride / shape.head_dim;
-    copy_packed_rows(k_scale, stride, dst_slot, e.k_scale.data(), held, src_first, n, one);
-    copy_packed_rows(v_scale, stride, dst_slot, e.v_scale.data(), held, src_first, n, one);
+    const std::size_t stride = head_stride / d;
+    copy_packed_rows(k_scale, heads, 1, stride, dst_slot, e.k_scale.data(), held, src_first, n);
+    copy_packed_rows(v_scale, heads, 1, stride, dst_slot, e.v_scale.data(), held, src_first, n);
   } else {
     (void)k_scale;
     (void)v_scale;

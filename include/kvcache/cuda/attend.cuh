@@ -197,16 +197,19 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
 
 /// Prefill attention: q and out [total][num_q_heads][head_dim] device arrays, the rows of
 /// sequence s being q_offsets[s] .. q_offsets[s + 1] - 1 (device array), at that sequence's
-/// last positions (append their K/V first). Tensor cores for every dtype (tf32 for float).
+/// last positions (append their K/V first). Tensor cores for every dtype (tf32 for float; fp16
+/// for the int8 and fp8 codes, which are fp16 values, their row scales applied to the scores and
+/// weights in fp32).
 /// Inf and NaN as kvcache::attend on the CPU: a query row whose q, or the K or V row of a key it
 /// sees, holds an inf or NaN is NaN throughout; an inf or NaN in a key a row cannot see (a later
 /// token of the same chunk, a key outside its window) changes none of its bits. q is rounded to
-/// the K/V element type (fp16, bf16, tf32) for the tensor cores, so a q element beyond fp16's
-/// range counts as inf with fp16 K/V. cache_relative positions need workspace of
-/// prefill_workspace_bytes(view, num_q_heads, max_q_len, opts) bytes (none otherwise).
+/// the operand type (fp16, bf16, tf32; fp16 for int8 and fp8) for the tensor cores, so a q
+/// element beyond fp16's range counts as inf with fp16, int8 or fp8 K/V. cache_relative positions
+/// need workspace of prefill_workspace_bytes(view, num_q_heads, max_q_len, opts) bytes (none
+/// otherwise).
 /// @throws shape_error (head_dim not 64/128/256, or 256 with float; workspace too small; a
 ///         RoPE for another head_dim), cuda_error.
-template <Element T>
+template <KVElement T>
 void launch_prefill_attention(const DeviceKVView<T>& view, const float* q, float* out,
                               int num_q_heads, const std::int32_t* q_offsets, int max_q_len,
                               const AttentionOptions& opts, cudaStream_t stream,
@@ -252,7 +255,7 @@ namespace kvcache {
 /// kvcache::attend for device views: the same call as on the CPU (q and out hold device memory,
 /// shaped [tokens][num_q_heads][head_dim]) plus the stream, workspace and, for prefill, the
 /// per-sequence query offsets. Decode when args.q_offsets is null (q.num_tokens == num_seqs),
-/// prefill otherwise (f32, f16 and bf16 views only, so far: prefill over int8 or fp8 K/V throws).
+/// prefill otherwise.
 /// opts.pool is ignored and opts.query_pos must be unset (queries sit at the last positions).
 /// Validate positions on the host first with DeviceCache::check_attention. Non-finite q, K and V:
 /// the semantics of the CPU kvcache::attend, in every decode kernel (DecodeKernel), split or not,
@@ -280,14 +283,10 @@ void attend(TokenBlock<const float> q, const cuda::DeviceKVView<T>& view, TokenB
     }
     cuda::launch_decode_attention(view, q.data.data(), out.data.data(), heads, opts, args.workspace,
                                   args.workspace_bytes, args.stream, args.decode_setup);
-  } else if constexpr (Element<T>) {
+  } else {
     cuda::launch_prefill_attention(view, q.data.data(), out.data.data(), heads, args.q_offsets,
                                    args.max_q_len, opts, args.stream, args.workspace,
                                    args.workspace_bytes);
-  } else {
-    throw shape_error(detail::message("CUDA attend: prefill over ", dtype_name(dtype_of<T>),
-                                      " K/V is not supported yet (decode is); supported: f32, f16, "
-                                      "bf16"));
   }
 }
 

@@ -74,7 +74,7 @@ struct DeviceCacheConfig {
 /// quantized cache takes float rows and quantizes them on the device, bit for bit as the host
 /// caches do, so a device cache and a host cache fed the same rows hold the same codes and scales.
 /// Its views carry the scales (k_scale, v_scale); decode attention reads the codes directly
-/// (DecodeKernel::cuda_cores).
+/// (DecodeKernel::cuda_cores), prefill on tensor cores as fp16 values (cuda/prefill.cuh).
 template <KVElement T>
 class DeviceCache {
  public:

@@ -174,6 +174,24 @@ __device__ __forceinline__ float2 load_pair(const T* p) {
   return make_float2(decode(p[0]), decode(p[1]));
 }
 
+/// Writes the 16 codes at src (16-byte aligned; zeros when !valid, src then unread) as 16 fp16
+/// values to dst (32 bytes, 16-byte aligned). Exact: every int8 and e4m3 code is an fp16 value.
+template <QuantizedElement T>
+__device__ __forceinline__ void store_codes_as_half(const char* src, bool valid, char* dst) {
+  const uint4 w = valid ? *reinterpret_cast<const uint4*>(src) : uint4{0u, 0u, 0u, 0u};
+  const unsigned words[4] = {w.x, w.y, w.z, w.w};
+  unsigned packed[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // halves 2i and 2i + 1: bytes 2i and 2i + 1 of the chunk
+    const unsigned bytes = words[i / 2] >> (16 * (i % 2));
+    const unsigned lo = __half_as_ushort(__float2half_rn(decode(code_of_byte<T>(bytes))));
+    const unsigned hi = __half_as_ushort(__float2half_rn(decode(code_of_byte<T>(bytes >> 8))));
+    packed[i] = lo | (hi << 16);
+  }
+  reinterpret_cast<uint4*>(dst)[0] = uint4{packed[0], packed[1], packed[2], packed[3]};
+  reinterpret_cast<uint4*>(dst)[1] = uint4{packed[4], packed[5], packed[6], packed[7]};
+}
+
 /// Loads logical keys [i0, i0 + kRows) of (seq, kv_head) into one K and one V tile with 16-byte
 /// cp.async copies, kThreads threads; rows at or past `end` are zero-filled (so that p * V stays
 /// finite) and get position -1. Each warp loads kRows / warps consecutive rows: lane l first finds
@@ -181,16 +199,20 @@ __device__ __forceinline__ float2 load_pair(const T* p) {
 /// row, not per 16-byte chunk), then the warp copies 32 / chunks-per-row rows at a time, each
 /// lane reading its row's offset from the lane that found it. A quantized format's row scales
 /// go (as floats, plain loads, 0 for rows past `end`) to k_scale_tile and v_scale_tile
-/// [kRows], which are unused (may be null) for f32/f16/bf16.
-template <KVElement T, int D, int kThreads, int kRows>
+/// [kRows], which are unused (may be null) for f32/f16/bf16. kToHalf (quantized formats only):
+/// the codes are read with plain loads and written to the tiles as fp16 values (rows of
+/// tile_row_bytes<half>(D) bytes), for the tensor cores; visible after the caller's next barrier
+/// like the copies.
+template <KVElement T, int D, int kThreads, int kRows, bool kToHalf = false>
 __device__ __forceinline__ void load_kv_tile(const DeviceKVView<T>& view, int seq, int kv_head,
                                              const KeyRange& keys, std::int64_t i0,
                                              std::int64_t end, char* k_tile, char* v_tile,
                                              std::int64_t* pos_tile, int tid,
                                              float* k_scale_tile = nullptr,
                                              float* v_scale_tile = nullptr) {
+  static_assert(!kToHalf || scaled_v<T>, "only codes are converted on the way in");
   constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks per row
-  constexpr int kStride = tile_row_bytes<T>(D);
+  constexpr int kStride = kToHalf ? tile_row_bytes<kvcache::half>(D) : tile_row_bytes<T>(D);
   constexpr int kWarpRows = kRows / (kThreads / 32);
   constexpr int kStepRows = kChunks >= 32 ? 1 : 32 / kChunks;  // rows per warp-wide copy
   static_assert(kThreads % 32 == 0 && kRows % (kThreads / 32) == 0 && kWarpRows <= 32);
@@ -221,10 +243,15 @@ __device__ __forceinline__ void load_kv_tile(const DeviceKVView<T>& view, int se
     const char* vs = reinterpret_cast<const char*>(view.v + off);
 #pragma unroll
     for (int chunk = chunk0; chunk < kChunks; chunk += 32) {
-      __pipeline_memcpy_async(k_tile + row * kStride + chunk * 16, ks + chunk * 16, 16,
-                              valid ? 0 : 16);
-      __pipeline_memcpy_async(v_tile + row * kStride + chunk * 16, vs + chunk * 16, 16,
-                              valid ? 0 : 16);
+      if constexpr (kToHalf) {
+        store_codes_as_half<T>(ks + chunk * 16, valid, k_tile + row * kStride + chunk * 32);
+        store_codes_as_half<T>(vs + chunk * 16, valid, v_tile + row * kStride + chunk * 32);
+      } else {
+        __pipeline_memcpy_async(k_tile + row * kStride + chunk * 16, ks + chunk * 16, 16,
+                                valid ? 0 : 16);
+        __pipeline_memcpy_async(v_tile + row * kStride + chunk * 16, vs + chunk * 16, 16,
+                                valid ? 0 : 16);
+      }
     }
   }
 }

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Prefill attention on the GPU: many query tokens per sequence against the cached prefix plus the
 // new tokens, causal by absolute positions. A tiled flash-attention kernel: 64 query rows x 64 keys
-// per step, q.k and p.V on tensor cores (wmma: fp16 and bf16 operands, tf32 for fp32 caches),
-// online softmax and the output accumulator in fp32.
+// per step, q.k and p.V on tensor cores (wmma: fp16 and bf16 operands, tf32 for fp32 caches, fp16
+// for int8 and fp8 codes with their row scales applied to scores and weights), online softmax and
+// the output accumulator in fp32.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -27,11 +28,17 @@ inline constexpr int kPrefillKeys = 64;      ///< keys per step
 
 namespace detail {
 
+/// The tensor-core operand type of the prefill kernel over T K/V: T itself, or fp16 for the int8
+/// and fp8 codes (every code is an fp16 value; the row scales are applied apart).
+template <KVElement T>
+using prefill_operand_t = std::conditional_t<scaled_v<T>, kvcache::half, T>;
+
 /// Shared-memory row strides (elements) and byte offsets of the prefill kernel with kStages K/V
-/// buffers.
-template <Element T, int D, int kStages>
+/// buffers; for int8 and fp8 also the tiles' K and V row scales [2][kStages][64] and the largest
+/// V scale of each warp's 16 rows [4].
+template <KVElement T, int D, int kStages>
 struct PrefillLayout {
-  using S = typename MmaTraits<T>::storage;
+  using S = typename MmaTraits<prefill_operand_t<T>>::storage;
   static constexpr int kStageCount = kStages;
   static constexpr int kPadS = 16 / static_cast<int>(sizeof(S));  // 16 bytes
   static constexpr int kLdQ = D + kPadS;             // q, k, v tiles [64][D + pad] (storage)
@@ -49,7 +56,10 @@ struct PrefillLayout {
   static constexpr std::size_t kStats = kPos + kStages * sizeof(std::int64_t) * kPrefillKeys;
   // one bit per V row of the tile holding an inf or NaN: [4 warps] words of 16 rows
   static constexpr std::size_t kVBad = kStats + 3 * sizeof(float) * kPrefillRows;
-  static constexpr std::size_t kBytes = kVBad + (kPrefillThreads / 32) * sizeof(std::uint32_t);
+  static constexpr std::size_t kScales = kVBad + (kPrefillThreads / 32) * sizeof(std::uint32_t);
+  static constexpr std::size_t kVMax = kScales + 2 * kStages * sizeof(float) * kPrefillKeys;
+  static constexpr std::size_t kBytes =
+      scaled_v<T> ? kVMax + (kPrefillThreads / 32) * sizeof(float) : kScales;
 };
 
 /// True when one of the elements packed in the 32-bit word w (one float, or two fp16/bf16) is inf
@@ -64,9 +74,18 @@ __device__ __forceinline__ bool nonfinite_word(std::uint32_t w) {
   }
 }
 
+/// The least power of two >= x, for a positive finite x. Dividing by it is exact, so a weight
+/// p * scale / pow2_at_least(...) rounds to fp16 alike whichever power the tile's largest scale
+/// gives (outside fp16's subnormal range).
+__host__ __device__ __forceinline__ float pow2_at_least(float x) {
+  const std::uint32_t u = kvcache::detail::float_bits(x);
+  return kvcache::detail::bits_float((u & 0x7fffffu) != 0 ? (u & 0x7f800000u) + 0x800000u
+                                                          : u & 0x7f800000u);
+}
+
 /// The prefill kernel's layout: K/V double-buffered (the next tile's copies in flight while this
 /// one is used) wherever that fits, else one buffer (fp16/bf16 at head_dim 256, float at 128).
-template <Element T, int D>
+template <KVElement T, int D>
 using PrefillSmem = std::conditional_t<PrefillLayout<T, D, 2>::kBytes <= kMaxSmemBytes,
                                        PrefillLayout<T, D, 2>, PrefillLayout<T, D, 1>>;
 
@@ -77,13 +96,22 @@ using PrefillSmem = std::conditional_t<PrefillLayout<T, D, 2>::kBytes <= kMaxSme
 /// accumulator rows, and adds p.V on tensor cores. The V rows of a tile that hold an inf or NaN
 /// are zeroed in shared memory first and flagged: a row that sees such a key is NaN (its l), and
 /// the rows that do not, whose weight for it is 0, add 0 instead of 0 * inf = NaN.
-template <Element T, int D>
+/// int8 and fp8: the codes enter the tiles as fp16 values (plain loads, converted on the way);
+/// each score is multiplied by its key's K scale, and each weight of a seen key by its V scale
+/// over the least power of two at or above the tile's largest (so that it stays within 1 in
+/// fp16), the tile's p.V then scaled back by that power in fp32. A V scale that is NaN flags its
+/// row like a non-finite V row. So an inf or NaN in a key a row does not see leaves that row's
+/// output NaN-free, and moves it at most by rounding (a weight in fp16's subnormal range, if the
+/// bad row held the tile's largest scale), where the fp16/bf16 kernel changes no bit.
+template <KVElement T, int D>
 __global__ void __launch_bounds__(kPrefillThreads)
     prefill_attention_kernel(DeviceKVView<T> view, const float* __restrict__ q,
                              float* __restrict__ out, const std::int32_t* __restrict__ q_offsets,
                              int num_q_heads, DeviceMask mask, float scale, float softcap) {
   namespace wmma = nvcuda::wmma;
-  using Traits = MmaTraits<T>;
+  using O = prefill_operand_t<T>;
+  constexpr bool kScaled = scaled_v<T>;
+  using Traits = MmaTraits<O>;
   using S = typename Traits::storage;
   using Op = typename Traits::operand;
   using L = PrefillSmem<T, D>;
@@ -118,6 +146,10 @@ __global__ void __launch_bounds__(kPrefillThreads)
   float* l_s = m_s + kPrefillRows;
   float* corr_s = l_s + kPrefillRows;
   std::uint32_t* v_bad_s = reinterpret_cast<std::uint32_t*>(smem + L::kVBad);
+  // int8/fp8: row scales [kStages][64] of K, then V; the largest V scale of each warp's rows
+  float* k_scales = reinterpret_cast<float*>(smem + L::kScales);
+  float* v_scales = k_scales + kStages * kPrefillKeys;
+  float* v_max_s = reinterpret_cast<float*>(smem + L::kVMax);
 
   // scaled queries in the operand precision; rows past q_len are zero
   for (int i = tid; i < kPrefillRows * D; i += kPrefillThreads) {
@@ -144,15 +176,18 @@ __global__ void __launch_bounds__(kPrefillThreads)
     return i < count && !(mask.causal && keys.pos(i) > last_pos);
   };
   auto load = [&](std::int64_t i, int b) {
-    load_kv_tile<T, D, kPrefillThreads, kPrefillKeys>(
+    load_kv_tile<T, D, kPrefillThreads, kPrefillKeys, kScaled>(
         view, seq, kv_head, keys, i, count, reinterpret_cast<char*>(k_at(b)),
-        reinterpret_cast<char*>(v_at(b)), pos_at(b), tid);
+        reinterpret_cast<char*>(v_at(b)), pos_at(b), tid, k_scales + b * kPrefillKeys,
+        v_scales + b * kPrefillKeys);
   };
   // q_s, o_s, m_s, l_s are initialised before the first compute (a barrier precedes it)
   auto compute = [&](std::int64_t, int buf) {
     const S* k_s = reinterpret_cast<const S*>(k_at(buf));
     const S* v_s = reinterpret_cast<const S*>(v_at(buf));
     const std::int64_t* pos_s = pos_at(buf);
+    [[maybe_unused]] const float* k_scale = k_scales + buf * kPrefillKeys;
+    [[maybe_unused]] const float* v_scale = v_scales + buf * kPrefillKeys;
 
     {  // V rows [16w, 16w + 16) holding an inf or NaN: zeroed, bit r of v_bad_s[w] set
       constexpr int kChunks = D * static_cast<int>(sizeof(S)) / 16;  // 16-byte chunks per row
@@ -164,11 +199,17 @@ __global__ void __launch_bounds__(kPrefillThreads)
                                                      sizeof(S)) +
             i % kChunks;
         const uint4 x = *chunk;
-        if (nonfinite_word<T>(x.x) || nonfinite_word<T>(x.y) || nonfinite_word<T>(x.z) ||
-            nonfinite_word<T>(x.w)) {
+        if (nonfinite_word<O>(x.x) || nonfinite_word<O>(x.y) || nonfinite_word<O>(x.z) ||
+            nonfinite_word<O>(x.w)) {
           *chunk = uint4{0u, 0u, 0u, 0u};
           bad_rows |= 1u << r;
         }
+      }
+      if constexpr (kScaled) {  // a NaN scale marks a non-finite row; the finite ones' largest
+        const float vs = lane < 16 ? v_scale[warp * 16 + lane] : 0.0f;
+        if (lane < 16 && !is_finite(vs)) bad_rows |= 1u << lane;
+        const float most = warp_max(lane < 16 && is_finite(vs) ? vs : 0.0f);
+        if (lane == 0) v_max_s[warp] = most;
       }
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) bad_rows |= __shfl_xor_sync(kFullMask, bad_rows, o);
@@ -205,25 +246,38 @@ __global__ void __launch_bounds__(kPrefillThreads)
                                 wmma::mem_row_major);
       }
     }
-    __syncthreads();  // every warp's zeroed V rows and v_bad_s
+    __syncthreads();  // every warp's zeroed V rows, v_bad_s and v_max_s
+    // int8/fp8: the weights of the codes carry v_scale / v_max, p.V is scaled back by v_max
+    [[maybe_unused]] float v_max = 1.0f;
+    if constexpr (kScaled) {
+      const float most = fmaxf(fmaxf(v_max_s[0], v_max_s[1]), fmaxf(v_max_s[2], v_max_s[3]));
+      if (most > 0.0f) v_max = pow2_at_least(most);  // else every weight is 0 anyway
+    }
     // online softmax of the warp's 16 rows; lanes cover keys lane and lane + 32
     for (int rr = 0; rr < 16; ++rr) {
       const int r = warp * 16 + rr;
       const std::int64_t qpos = first_pos + r;
       float sc[2];
       bool bad = false;
+      [[maybe_unused]] bool seen[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_s[j];
         const bool visible = r < rows && pos >= 0 && mask.visible(qpos, pos);
-        const float raw = s_s[r * L::kLdS + j];
+        float raw = s_s[r * L::kLdS + j];
+        if constexpr (kScaled) raw *= k_scale[j];
         sc[h] = transform_score(visible ? mask.score(raw, seq, row0 + r, q_head, pos) : raw,
                                 softcap, visible, bad);
         bad = bad || (visible && (v_bad_s[j / 16] >> (j % 16) & 1u) != 0);
+        seen[h] = visible;
       }
       float p[2];
       online_softmax_step(sc, p, &m_s[r], &l_s[r], &corr_s[r], lane, bad);
+      if constexpr (kScaled) {
+        p[0] = seen[0] ? p[0] * (v_scale[lane] / v_max) : 0.0f;
+        p[1] = seen[1] ? p[1] * (v_scale[lane + 32] / v_max) : 0.0f;
+      }
       p_s[r * L::kLdP + lane] = Traits::from_float(p[0]);
       p_s[r * L::kLdP + lane + 32] = Traits::from_float(p[1]);
     }
@@ -236,9 +290,14 @@ __global__ void __launch_bounds__(kPrefillThreads)
     // o += p.V for the warp's rows
 #pragma unroll
     for (int c = 0; c < D / 16; ++c) {
-      wmma::fragment<wmma::accumulator, 16, 16, kK, float> o;
+      wmma::fragment<wmma::accumulator, 16, 16, kK, float> o, pv;  // pv: this tile's p.V
       float* o_tile = o_s + warp * 16 * L::kLdO + c * 16;
       wmma::load_matrix_sync(o, o_tile, L::kLdO, wmma::mem_row_major);
+      if constexpr (kScaled) {
+        wmma::fill_fragment(pv, 0.0f);
+      } else {
+        pv = o;
+      }
 #pragma unroll
       for (int kk = 0; kk < kPrefillKeys; kk += kK) {
         wmma::fragment<wmma::matrix_a, 16, 16, kK, Op, wmma::row_major> a;
@@ -251,7 +310,13 @@ __global__ void __launch_bounds__(kPrefillThreads)
 #pragma unroll
           for (int e = 0; e < b.num_elements; ++e) b.x[e] = wmma::__float_to_tf32(b.x[e]);
         }
-        wmma::mma_sync(o, a, b, o);
+        wmma::mma_sync(pv, a, b, pv);
+      }
+      if constexpr (kScaled) {
+#pragma unroll
+        for (int e = 0; e < o.num_elements; ++e) o.x[e] += v_max * pv.x[e];
+      } else {
+        o = pv;
       }
       wmma::store_matrix_sync(o_tile, o, L::kLdO, wmma::mem_row_major);
     }
