@@ -435,11 +435,7 @@ struct Packed {
 template <kvcache::KVElement T>
 Packed<T> device_rows(const kcuda::DeviceCache<T>& dev, std::size_t l, std::size_t q) {
   Packed<T> out(dev.layer_length(l, q));
-  if constexpr (kvcache::scaled_v<T>) {
-    dev.read_rows(l, q, out.k, out.v, out.k_scale, out.v_scale, nullptr);
-  } else {
-    dev.read_rows(l, q, out.k, out.v, nullptr);
-  }
+  dev.read_rows(l, q, out.k, out.v, out.k_scale, out.v_scale, nullptr);
   return out;
 }
 

@@ -75,6 +75,13 @@ struct DeviceCacheConfig {
 /// caches do, so a device cache and a host cache fed the same rows hold the same codes and scales.
 /// Its views carry the scales (k_scale, v_scale); decode attention reads the codes directly
 /// (DecodeKernel::cuda_cores), prefill on tensor cores as fp16 values (cuda/prefill.cuh).
+/// The rows DeviceCache<T>::append takes: float (rounded to T, or quantized per row), or T itself
+/// for an f32/f16/bf16 cache.
+template <class U, class T>
+concept SameElement = Element<T> && std::same_as<U, T>;
+template <class U, class T>
+concept AppendRows = std::same_as<U, float> || SameElement<U, T>;
+
 template <KVElement T>
 class DeviceCache {
  public:
@@ -148,12 +155,9 @@ class DeviceCache {
   ///         capacity_error (max_seq_len, max_append_len), pool_exhausted_error (paged: names
   ///         blocks needed, free and evictable), position_error (paged: a sequence with ids, past
   ///         them), cuda_error. Nothing is launched and nothing changes on throw.
-  template <class U>
-  requires(Element<T>&& std::same_as<U, T>) || std::same_as<U, float> void append(
-                                                   std::size_t layer,
-                                                   std::span<const std::size_t> seqs,
-                                                   std::span<const std::size_t> counts, const U* k,
-                                                   const U* v, cudaStream_t stream) {
+  template <AppendRows<T> U>
+  void append(std::size_t layer, std::span<const std::size_t> seqs,
+              std::span<const std::size_t> counts, const U* k, const U* v, cudaStream_t stream) {
     append_rows(layer, seqs, counts, nullptr, k, v, stream);
   }
 
@@ -163,13 +167,10 @@ class DeviceCache {
   /// completes are indexed for later prompts.
   /// @throws as append(); shape_error (ids.size() != sum(counts), or not paged), position_error
   ///         (an id differs from the registered one; a sequence holding K/V without ids).
-  template <class U>
-  requires(Element<T>&& std::same_as<U, T>) || std::same_as<U, float> void append(
-                                                   std::size_t layer,
-                                                   std::span<const std::size_t> seqs,
-                                                   std::span<const std::size_t> counts,
-                                                   std::span<const token_id> ids, const U* k,
-                                                   const U* v, cudaStream_t stream) {
+  template <AppendRows<T> U>
+  void append(std::size_t layer, std::span<const std::size_t> seqs,
+              std::span<const std::size_t> counts, std::span<const token_id> ids, const U* k,
+              const U* v, cudaStream_t stream) {
     require_paged("append with ids");
     std::size_t total = 0;
     for (std::size_t n : counts) total += n;
@@ -366,17 +367,15 @@ class DeviceCache {
   /// The host caches' restore() on the device, every layout (cuda/cache_restore.cuh).
   void restore(std::span<const LayerRestore<T>> entries, std::span<const SequenceTokens> tokens,
                cudaStream_t stream);
-  /// The rows of `layer` of `seq` in host memory, packed (cuda/cache_restore.cuh).
-  void read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
-                 cudaStream_t stream) const requires Element<T> {
-    read_rows_impl(layer, seq, k, v, {}, {}, stream);
-  }
-  /// read_rows() of a quantized format: the codes, and the rows' scales packed as the rows,
-  /// [num_kv_heads][held] each (cuda/cache_restore.cuh).
+  /// The rows of `layer` of `seq` in host memory, packed, with their scales: k_scale and v_scale
+  /// [num_kv_heads][held] each for int8/fp8, empty for f32/f16/bf16 (cuda/cache_restore.cuh).
   void read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
                  std::span<scale_type> k_scale, std::span<scale_type> v_scale,
-                 cudaStream_t stream) const requires QuantizedElement<T> {
-    read_rows_impl(layer, seq, k, v, k_scale, v_scale, stream);
+                 cudaStream_t stream) const;
+  /// read_rows() of an f32/f16/bf16 cache, whose rows have no scales.
+  void read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
+                 cudaStream_t stream) const requires Element<T> {
+    read_rows(layer, seq, k, v, {}, {}, stream);
   }
 
   /// "" or a description of the first difference between the device's block table and lengths
@@ -478,10 +477,6 @@ class DeviceCache {
     }
     flush_meta(meta, stream);
   }
-
-  void read_rows_impl(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
-                      std::span<scale_type> k_scale, std::span<scale_type> v_scale,
-                      cudaStream_t stream) const;
 
   void require_paged(const char* op) const {
     if (config_.layout != Layout::paged) {

@@ -63,6 +63,10 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
                              std::span<const SequenceTokens> tokens, cudaStream_t stream) {
   const CacheShape shape{config_.num_layers, config_.num_kv_heads, config_.head_dim, dtype_of<T>};
   kvcache::detail::check_restore_entries("DeviceCache", entries, shape, config_.max_batch);
+  const auto to_device = [&](auto* dst, const auto* src, std::size_t count) {
+    check(cudaMemcpyAsync(dst, src, count * sizeof(*src), cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync(restore)");
+  };
   if (!paged_) {
     if (!tokens.empty()) {
       throw shape_error(
@@ -78,10 +82,6 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
     const std::size_t d = config_.head_dim;
     const auto s = static_cast<std::int64_t>(sinks());
     detail::MetaBatch meta;
-    const auto to_device = [&](auto* dst, const auto* src, std::size_t count) {
-      check(cudaMemcpyAsync(dst, src, count * sizeof(*src), cudaMemcpyHostToDevice, stream),
-            "cudaMemcpyAsync(restore)");
-    };
     for (const LayerRestore<T>& e : entries) {
       const std::size_t base = layer_offset(e.layer);
       const std::size_t held = e.held();
@@ -136,14 +136,8 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
         ++used;
         kvcache::detail::fill_packed_block(block, scales, config_.block_size, shape, e, i);
         const std::size_t dst = layer_offset(e.layer) + std::size_t{table[i]} * block_elems;
-        check(cudaMemcpyAsync(storage_.data() + dst, block, block_elems * sizeof(T),
-                              cudaMemcpyHostToDevice, stream),
-              "cudaMemcpyAsync(restore)");
-        if constexpr (scaled_v<T>) {
-          check(cudaMemcpyAsync(scales_at(dst), scales, block_rows * sizeof(scale_type),
-                                cudaMemcpyHostToDevice, stream),
-                "cudaMemcpyAsync(restore)");
-        }
+        to_device(storage_.data() + dst, block, block_elems);
+        if constexpr (scaled_v<T>) to_device(scales_at(dst), scales, block_rows);
       }
     }
   }
@@ -162,9 +156,9 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
 /// (after the cache's earlier work on it).
 /// @throws shape_error (an output of another size), layer_error, batch_error, cuda_error.
 template <KVElement T>
-void DeviceCache<T>::read_rows_impl(std::size_t layer, std::size_t seq, std::span<T> k,
-                                    std::span<T> v, std::span<scale_type> k_scale,
-                                    std::span<scale_type> v_scale, cudaStream_t stream) const {
+void DeviceCache<T>::read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
+                               std::span<scale_type> k_scale, std::span<scale_type> v_scale,
+                               cudaStream_t stream) const {
   const KeyRange held_keys = keys(layer, seq);
   const auto held = static_cast<std::size_t>(held_keys.count());
   const std::size_t row = config_.num_kv_heads * config_.head_dim;

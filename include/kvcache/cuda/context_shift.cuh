@@ -67,12 +67,9 @@ void context_shift(DeviceCache<T>& cache, std::size_t seq, std::size_t n_keep,
   for (std::size_t l = 0; l < c.num_layers; ++l) {
     const std::size_t n = first[l + 1] - first[l];
     const auto kl = std::span<T>(k).subspan(first[l], n), vl = std::span<T>(v).subspan(first[l], n);
-    if constexpr (scaled_v<T>) {
-      cache.read_rows(l, seq, kl, vl, std::span(ks).subspan(first[l] / d, n / d),
-                      std::span(vs).subspan(first[l] / d, n / d), stream);
-    } else {
-      cache.read_rows(l, seq, kl, vl, stream);
-    }
+    const std::size_t s0 = ks.empty() ? 0 : first[l] / d, sn = ks.empty() ? 0 : n / d;
+    cache.read_rows(l, seq, kl, vl, std::span(ks).subspan(s0, sn), std::span(vs).subspan(s0, sn),
+                    stream);
   }
   const auto view_of = [&](std::size_t l) {
     const KeyRange r = cache.keys(l, seq);

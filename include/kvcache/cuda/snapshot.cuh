@@ -44,21 +44,25 @@ struct CollectedRows {
   std::vector<std::vector<scale_type>> scales;
 };
 
-// What restore() takes to put `seqs` of `source` into another cache: per (layer, seq) the rows
-// (`store` owns them), per seq its ids, exact prefix and extra key. read(l, q, k, v, k_scale,
-// v_scale) fills the rows (and for a quantized format their scales: empty spans otherwise);
-// `row` is num_kv_heads x head_dim, `heads` num_kv_heads.
+// What restore() takes to put `seqs` of `source` into another cache of shape `c`: per (layer,
+// seq) the rows and, for a quantized format, their scales (`store` owns them; no scales
+// otherwise), per seq its ids, exact prefix and extra key. read(l, q, k, v, k_scale, v_scale)
+// fills them.
 template <KVElement T, class Source, class Read>
-void collect(const Source& source, std::span<const std::size_t> seqs, std::size_t num_layers,
-             std::size_t row, std::size_t heads, Read&& read, CollectedRows<T>& store,
-             std::vector<LayerRestore<T>>& entries, std::vector<SequenceTokens>& tokens) {
-  store.rows.reserve(2 * seqs.size() * num_layers);
-  store.scales.reserve(scaled_v<T> ? 2 * seqs.size() * num_layers : 0);
+void collect(const Source& source, std::span<const std::size_t> seqs, const DeviceCacheConfig& c,
+             Read&& read, CollectedRows<T>& store, std::vector<LayerRestore<T>>& entries,
+             std::vector<SequenceTokens>& tokens) {
+  store.rows.reserve(2 * seqs.size() * c.num_layers);
+  store.scales.reserve(2 * seqs.size() * c.num_layers);
   for (std::size_t q : seqs) {
-    for (std::size_t l = 0; l < num_layers; ++l) {
+    for (std::size_t l = 0; l < c.num_layers; ++l) {
       const std::size_t len = source.layer_length(l, q);
-      std::vector<T>& k = store.rows.emplace_back(len * row);
-      std::vector<T>& v = store.rows.emplace_back(len * row);
+      std::vector<T>& k = store.rows.emplace_back(len * c.num_kv_heads * c.head_dim);
+      std::vector<T>& v = store.rows.emplace_back(k.size());
+      std::vector<scale_type>& ks =
+          store.scales.emplace_back(scaled_v<T> ? len * c.num_kv_heads : 0);
+      std::vector<scale_type>& vs = store.scales.emplace_back(ks.size());
+      read(l, q, std::span<T>(k), std::span<T>(v), std::span(ks), std::span(vs));
       LayerRestore<T> e;
       e.layer = l;
       e.seq = q;
@@ -66,14 +70,8 @@ void collect(const Source& source, std::span<const std::size_t> seqs, std::size_
       e.k = k;
       e.v = v;
       if constexpr (scaled_v<T>) {
-        std::vector<scale_type>& ks = store.scales.emplace_back(len * heads);
-        std::vector<scale_type>& vs = store.scales.emplace_back(len * heads);
-        read(l, q, std::span<T>(k), std::span<T>(v), std::span(ks), std::span(vs));
         e.k_scale = ks;
         e.v_scale = vs;
-      } else {
-        read(l, q, std::span<T>(k), std::span<T>(v), std::span<scale_type>(),
-             std::span<scale_type>());
       }
       entries.push_back(e);
     }
@@ -111,15 +109,9 @@ void save_snapshot(const std::filesystem::path& path, const DeviceCache<T>& cach
   std::vector<SequenceTokens> tokens;
   const DeviceCacheConfig& c = cache.config();
   detail::collect<T>(
-      m, list, c.num_layers, c.num_kv_heads * c.head_dim, c.num_kv_heads,
+      m, list, c,
       [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v, std::span<scale_type> ks,
-          std::span<scale_type> vs) {
-        if constexpr (scaled_v<T>) {
-          cache.read_rows(l, q, k, v, ks, vs, stream);
-        } else {
-          cache.read_rows(l, q, k, v, stream);
-        }
-      },
+          std::span<scale_type> vs) { cache.read_rows(l, q, k, v, ks, vs, stream); },
       rows, entries, tokens);
   staging.restore(entries, tokens);
   kvcache::save_snapshot(path, staging, model_id, seqs, options);
@@ -155,7 +147,7 @@ SnapshotInfo load_snapshot(const std::filesystem::path& path, DeviceCache<T>& ca
   std::vector<SequenceTokens> tokens;
   const DeviceCacheConfig& c = cache.config();
   detail::collect<T>(
-      staging, dest, c.num_layers, c.num_kv_heads * c.head_dim, c.num_kv_heads,
+      staging, dest, c,
       [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v, std::span<scale_type> ks,
           std::span<scale_type> vs) {
         kvcache::detail::pack_view_rows(staging.view(l, q), k.data(), v.data(), ks.data(),
