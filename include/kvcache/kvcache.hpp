@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Umbrella header: the whole public CPU API of kvcache, portable C++20 only. Not included: CUDA
 // (kvcache/cuda/cuda.cuh), {fmt} formatters (kvcache/fmt.hpp) and snapshots on disk, which use
-// POSIX file APIs (kvcache/io/snapshot.hpp).
+// POSIX file APIs (kvcache/io/snapshot.hpp). KVCACHE_EXTERN_KERNELS and
+// KVCACHE_INSTANTIATE_KERNELS compile the CPU attention kernels once per program (see the end
+// of kvcache/attention/cpu.hpp).
 #pragma once
 
 #include "kvcache/attention/attend.hpp"

@@ -830,12 +830,23 @@ struct ErasedTask {
   }
 };
 
-/// Runs work item `item` of task `t` split as `split`: KV heads [item / blocks * heads, + heads),
-/// row block item % blocks, with micro-kernels `kernel` (avx512, avx2 or portable). Rows are
-/// ordered token-major (row = token * group + head-in-group).
+/// The kernels of K/V format T: one class per format so that a program can compile them once
+/// (KVCACHE_EXTERN_KERNELS, below). Its member is defined out of the class, which keeps it from
+/// being inline, so that an extern declaration of the class suppresses its instantiation.
 template <KVElement T>
-void run_item(Kernel kernel, const ErasedTask<T>& t, const TaskSplit& split, position_t first_pos,
-              std::size_t item, const KVMask& mask, float scale, float softcap) noexcept {
+struct Kernels {
+  /// Runs work item `item` of task `t` split as `split`: KV heads [item / blocks * heads,
+  /// + heads), row block item % blocks, with micro-kernels `kernel` (avx512, avx2 or portable).
+  /// Rows are ordered token-major (row = token * group + head-in-group).
+  static void run_item(Kernel kernel, const ErasedTask<T>& t, const TaskSplit& split,
+                       position_t first_pos, std::size_t item, const KVMask& mask, float scale,
+                       float softcap) noexcept;
+};
+
+template <KVElement T>
+void Kernels<T>::run_item(Kernel kernel, const ErasedTask<T>& t, const TaskSplit& split,
+                          position_t first_pos, std::size_t item, const KVMask& mask, float scale,
+                          float softcap) noexcept {
   const std::size_t heads = t.view.num_kv_heads();
   const std::size_t group = t.num_q_heads / heads;
   const std::size_t rows_per = t.num_tokens * group;
@@ -864,6 +875,30 @@ void run_item(Kernel kernel, const ErasedTask<T>& t, const TaskSplit& split, pos
       attend_heads<PortableOps<T>>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
   }
 }
+
+// Compiling the kernels once per program. The sweeps of every format (Kernels<T>) are most of
+// the compile time of a translation unit that calls attend(): a program whose translation units
+// are built with KVCACHE_EXTERN_KERNELS defined does not compile them there, and instead defines
+// KVCACHE_INSTANTIATE_KERNELS in exactly one .cpp file, before its first kvcache include:
+//
+//   #define KVCACHE_INSTANTIATE_KERNELS
+//   #include <kvcache/kvcache.hpp>
+//
+// Without that file the program fails to link (undefined Kernels<T>::run_item). Neither macro
+// changes what any function computes.
+#if defined(KVCACHE_INSTANTIATE_KERNELS)
+#define KVCACHE_DETAIL_KERNELS template
+#elif defined(KVCACHE_EXTERN_KERNELS)
+#define KVCACHE_DETAIL_KERNELS extern template
+#endif
+#if defined(KVCACHE_DETAIL_KERNELS)
+KVCACHE_DETAIL_KERNELS struct Kernels<float>;
+KVCACHE_DETAIL_KERNELS struct Kernels<half>;
+KVCACHE_DETAIL_KERNELS struct Kernels<bfloat16>;
+KVCACHE_DETAIL_KERNELS struct Kernels<qint8>;
+KVCACHE_DETAIL_KERNELS struct Kernels<fp8_e4m3>;
+#undef KVCACHE_DETAIL_KERNELS
+#endif
 
 /// The lockstep width of a call: the widest that still gives every thread its share. Items of
 /// `width` heads take about `width` head sweeps each; among widths with the shortest critical
@@ -918,7 +953,8 @@ void run_tasks(Kernel kernel, std::span<const AttentionTask<V, Q, O>> tasks,
     const auto& t = tasks[i];
     const float scale =
         opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(t.view.head_dim()));
-    run_item(kernel, ErasedTask<T>(t), split, first_pos[i], global, mask, scale, opts.softcap);
+    Kernels<T>::run_item(kernel, ErasedTask<T>(t), split, first_pos[i], global, mask, scale,
+                         opts.softcap);
   };
   if (parallel) {
     opts.pool.parallel_for(total_items, run);
