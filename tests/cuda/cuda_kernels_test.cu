@@ -297,8 +297,8 @@ TEST_CASE("CUDA append of a batch wider than one launch stores every sequence", 
   }
 }
 
-TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda]", float, kvcache::half,
-                   bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
+TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda][decode]", float,
+                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-decode");
   struct Case {
@@ -479,7 +479,7 @@ TEMPLATE_TEST_CASE("CUDA decode on tensor cores keeps q's low bits", "[cuda]", k
   }
 }
 
-TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda]", float,
+TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda][prefill]", float,
                    kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-prefill");
@@ -912,7 +912,7 @@ struct Plant {
 TEMPLATE_TEST_CASE(
     "CUDA decode and prefill: inf or NaN in q, or in a seen key's K or V, makes exactly the rows "
     "that see it NaN; unseen ones change no bit",
-    "[cuda]", float, kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
+    "[cuda][nonfinite]", float, kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
   if (!have_device()) return;
   using T = TestType;
   auto rng = kvcache::test::make_rng("cuda-nonfinite");
