@@ -15,23 +15,12 @@
 #include "llama/generate.hpp"
 #include "llama/tokenizer.hpp"
 #include "support/catch.hpp"
+#include "support/stories.hpp"
 
 using namespace kvcache;
 using llama::token_id;
 
 namespace {
-
-const std::filesystem::path kDir = std::filesystem::path(KVCACHE_SHARED_DIR) / "models/stories260K";
-
-bool have_files() {
-  if (std::filesystem::exists(kDir / "stories260K.bin") &&
-      std::filesystem::exists(kDir / "tok512.bin")) {
-    return true;
-  }
-  WARN("SKIPPED: stories260K.bin / tok512.bin not found in " << kDir.string()
-                                                             << " (set KVCACHE_SHARED_DIR)");
-  return false;
-}
 
 // Tokens equal before the first difference.
 std::size_t first_divergence(const std::vector<token_id>& a, const std::vector<token_id>& b) {
@@ -51,9 +40,9 @@ std::size_t first_divergence(const std::vector<token_id>& a, const std::vector<t
 //    the f32 path after 3..200 tokens (measured 200, 39, 200, 3, 78 over the prompts; int8 118,
 //    24, 15, 14, 42; fp8 27, 17, 0, 0, 9): printed, not asserted.
 TEST_CASE("stories260K: greedy tokens with int8 and fp8 K/V against the f32 cache") {
-  if (!have_files()) return;
-  const llama::Checkpoint ckpt = llama::load_llama2c(kDir / "stories260K.bin");
-  const llama::Tokenizer tok = llama::Tokenizer::load(kDir / "tok512.bin", 512);
+  if (!test::have_stories()) return;
+  const llama::Checkpoint ckpt = llama::load_llama2c(test::kStoriesDir / "stories260K.bin");
+  const llama::Tokenizer tok = llama::Tokenizer::load(test::kStoriesDir / "tok512.bin", 512);
   const llama::Model model = llama::Model::from_checkpoint(ckpt);
   ThreadPool pool(2);
   llama::Engine engine(model, &pool);

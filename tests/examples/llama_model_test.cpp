@@ -12,6 +12,7 @@
 
 #include "llama/model.hpp"
 #include "support/catch.hpp"
+#include "support/stories.hpp"
 #include "support/throws.hpp"
 
 using namespace kvcache;
@@ -182,12 +183,8 @@ TEST_CASE("load_llama2c reads files and reports bad ones by path") {
 }
 
 TEST_CASE("stories260K loads with the shape its README gives") {
-  const std::filesystem::path path =
-      std::filesystem::path(KVCACHE_SHARED_DIR) / "models/stories260K/stories260K.bin";
-  if (!std::filesystem::exists(path)) {
-    WARN("SKIPPED: " << path.string() << " not found (set KVCACHE_SHARED_DIR)");
-    return;
-  }
+  if (!test::have_stories({"stories260K.bin"})) return;
+  const std::filesystem::path path = test::kStoriesDir / "stories260K.bin";
   const Checkpoint ckpt = llama::load_llama2c(path);
   REQUIRE(ckpt.config == ModelConfig{.dim = 64,
                                      .hidden_dim = 172,

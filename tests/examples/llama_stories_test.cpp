@@ -12,24 +12,13 @@
 #include "llama/tokenizer.hpp"
 #include "llama_reference.hpp"
 #include "support/catch.hpp"
+#include "support/stories.hpp"
 #include "support/tolerance.hpp"
 
 using namespace kvcache;
 using llama::token_id;
 
 namespace {
-
-const std::filesystem::path kDir = std::filesystem::path(KVCACHE_SHARED_DIR) / "models/stories260K";
-
-bool have_files() {
-  if (std::filesystem::exists(kDir / "stories260K.bin") &&
-      std::filesystem::exists(kDir / "tok512.bin")) {
-    return true;
-  }
-  WARN("SKIPPED: stories260K.bin / tok512.bin not found in " << kDir.string()
-                                                             << " (set KVCACHE_SHARED_DIR)");
-  return false;
-}
 
 // run.c's loop with -t 0: start from BOS, feed each argmax back, stop at BOS or after `steps`.
 std::vector<token_id> reference_greedy(const test::ReferenceModel& m, std::size_t steps,
@@ -51,9 +40,9 @@ std::vector<token_id> reference_greedy(const test::ReferenceModel& m, std::size_
 }  // namespace
 
 TEST_CASE("greedy stories260K from BOS is what llama2.c's run.c prints, with every cache") {
-  if (!have_files()) return;
-  const llama::Checkpoint ckpt = llama::load_llama2c(kDir / "stories260K.bin");
-  const llama::Tokenizer tok = llama::Tokenizer::load(kDir / "tok512.bin", 512);
+  if (!test::have_stories()) return;
+  const llama::Checkpoint ckpt = llama::load_llama2c(test::kStoriesDir / "stories260K.bin");
+  const llama::Tokenizer tok = llama::Tokenizer::load(test::kStoriesDir / "tok512.bin", 512);
   const llama::Model model = llama::Model::from_checkpoint(ckpt);
   const test::ReferenceModel reference(ckpt);
   const std::size_t steps = 256;  // run.c's default -n
@@ -103,9 +92,9 @@ TEST_CASE("greedy stories260K from BOS is what llama2.c's run.c prints, with eve
 }
 
 TEST_CASE("stories260K logits after a text prompt match the reference forward pass") {
-  if (!have_files()) return;
-  const llama::Checkpoint ckpt = llama::load_llama2c(kDir / "stories260K.bin");
-  const llama::Tokenizer tok = llama::Tokenizer::load(kDir / "tok512.bin", 512);
+  if (!test::have_stories()) return;
+  const llama::Checkpoint ckpt = llama::load_llama2c(test::kStoriesDir / "stories260K.bin");
+  const llama::Tokenizer tok = llama::Tokenizer::load(test::kStoriesDir / "tok512.bin", 512);
   const llama::Model model = llama::Model::from_checkpoint(ckpt);
   const auto prompt = tok.encode("Tom had a small red boat. One day the wind was strong, and");
   llama::Engine engine(model);

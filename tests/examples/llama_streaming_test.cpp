@@ -16,28 +16,17 @@
 #include "llama/streaming.hpp"
 #include "llama/tokenizer.hpp"
 #include "support/catch.hpp"
+#include "support/stories.hpp"
 
 using namespace kvcache;
 using llama::token_id;
 
-namespace {
-
-const std::filesystem::path kDir = std::filesystem::path(KVCACHE_SHARED_DIR) / "models/stories260K";
-
-bool have_model() {
-  if (std::filesystem::exists(kDir / "stories260K.bin")) return true;
-  WARN("SKIPPED: stories260K.bin not found in " << kDir.string() << " (set KVCACHE_SHARED_DIR)");
-  return false;
-}
-
-}  // namespace
-
 TEST_CASE(
     "a sliding window with sinks and cache-relative positions keeps stories260K's "
     "perplexity within 10% of in-story scoring, thousands of tokens past its training") {
-  if (!have_model()) return;
+  if (!test::have_stories({"stories260K.bin"})) return;
   const llama::Model model =
-      llama::Model::from_checkpoint(llama::load_llama2c(kDir / "stories260K.bin"));
+      llama::Model::from_checkpoint(llama::load_llama2c(test::kStoriesDir / "stories260K.bin"));
   llama::Engine engine(model);
   const llama::StreamingOptions o{};  // window 256 + 4 sinks, >= 4000 tokens, scored from 512
   const llama::StreamingResult r = llama::evaluate_streaming(engine, o);
@@ -96,9 +85,9 @@ TEST_CASE(
 TEST_CASE(
     "cache-relative sliding decode equals an uncached pass with the same window, bit for "
     "bit") {
-  if (!have_model()) return;
+  if (!test::have_stories({"stories260K.bin"})) return;
   const llama::Model model =
-      llama::Model::from_checkpoint(llama::load_llama2c(kDir / "stories260K.bin"));
+      llama::Model::from_checkpoint(llama::load_llama2c(test::kStoriesDir / "stories260K.bin"));
   const auto& c = model.config();
   llama::Engine engine(model);
   engine.set_positions(PositionMode::cache_relative);

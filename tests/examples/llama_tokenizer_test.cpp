@@ -10,6 +10,7 @@
 
 #include "llama/tokenizer.hpp"
 #include "support/catch.hpp"
+#include "support/stories.hpp"
 #include "support/throws.hpp"
 
 using namespace kvcache;
@@ -113,13 +114,8 @@ TEST_CASE("malformed tokenizer files are format_errors naming the token and offs
 }
 
 TEST_CASE("tok512.bin round-trips text and encodes the stories260K prompt") {
-  const std::filesystem::path path =
-      std::filesystem::path(KVCACHE_SHARED_DIR) / "models/stories260K/tok512.bin";
-  if (!std::filesystem::exists(path)) {
-    WARN("SKIPPED: " << path.string() << " not found (set KVCACHE_SHARED_DIR)");
-    return;
-  }
-  const Tokenizer tok = Tokenizer::load(path, 512);
+  if (!test::have_stories({"tok512.bin"})) return;
+  const Tokenizer tok = Tokenizer::load(test::kStoriesDir / "tok512.bin", 512);
   REQUIRE(tok.vocab_size() == 512);
   REQUIRE(tok.piece(1) == "\n<s>\n");  // llama2.c exports BOS and EOS wrapped in newlines
   REQUIRE(tok.piece(3) == "<0x00>");
