@@ -198,3 +198,13 @@ TEST_CASE("row_bytes and kv_cache_bytes of the quantized formats", "[format]") {
     }
   }
 }
+
+TEST_CASE("a cache appends float rows, or rows of its own element format, never codes",
+          "[format]") {
+  STATIC_REQUIRE(AppendRows<float, float> && AppendRows<const float, half>);
+  STATIC_REQUIRE(AppendRows<float, qint8> && AppendRows<const float, fp8_e4m3>);
+  STATIC_REQUIRE(AppendRows<half, half> && AppendRows<const bfloat16, bfloat16>);
+  STATIC_REQUIRE(!AppendRows<half, bfloat16> && !AppendRows<bfloat16, float>);
+  STATIC_REQUIRE(!AppendRows<qint8, qint8> && !AppendRows<const fp8_e4m3, fp8_e4m3>);
+  STATIC_REQUIRE(!AppendRows<half, qint8> && !AppendRows<double, float>);
+}

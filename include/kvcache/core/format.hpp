@@ -8,10 +8,12 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <type_traits>
 
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/host_device.hpp"
@@ -22,6 +24,17 @@ namespace kvcache {
 /// overflows its scale, and 2 bytes keep an int8 or fp8 row of head_dim >= 64 within 0.53 of a
 /// half row (head_dim + 2 bytes against 2 x head_dim).
 using scale_type = bfloat16;
+
+/// U is T, an element format (f32, f16 or bf16): rows of it are stored as they are.
+template <class U, class T>
+concept SameElement = Element<T> && std::same_as<U, T>;
+
+/// The rows (of element type U, const or not) that a cache of format T appends: float, rounded
+/// to T or quantized per row, or T itself for an f32/f16/bf16 cache. A quantized cache takes no
+/// codes from outside: its scales are its own.
+template <class U, class T>
+concept AppendRows = std::same_as < std::remove_const_t<U>,
+float > || SameElement<std::remove_const_t<U>, T>;
 
 /// True for the formats whose rows carry a scale.
 template <KVElement T>
@@ -111,11 +124,10 @@ void dequantize_row(const T* in, const scale_type* scale, std::size_t d, float* 
 
 namespace detail {
 
-/// Writes n rows of d elements of an append block (element type U: T itself, or float) in format
-/// T: copied when U is T, else written with quantize_row, one scale per row into `scales` for a
+/// Writes n rows of d elements of an append block (AppendRows: T itself, or float) in format T:
+/// copied when U is T, else written with quantize_row, one scale per row into `scales` for a
 /// quantized T (unused otherwise). Source rows `src_stride` elements apart, dst rows d apart.
-template <KVElement T, Element U>
-requires std::same_as<U, T> || std::same_as<U, float>
+template <KVElement T, AppendRows<T> U>
 void write_rows(T* dst, scale_type* scales, const U* src, std::size_t src_stride, std::size_t n,
                 std::size_t d) noexcept {
   for (std::size_t t = 0; t < n; ++t) {

@@ -75,13 +75,6 @@ struct DeviceCacheConfig {
 /// caches do, so a device cache and a host cache fed the same rows hold the same codes and scales.
 /// Its views carry the scales (k_scale, v_scale); decode attention reads the codes directly
 /// (DecodeKernel::cuda_cores), prefill on tensor cores as fp16 values (cuda/prefill.cuh).
-/// The rows DeviceCache<T>::append takes: float (rounded to T, or quantized per row), or T itself
-/// for an f32/f16/bf16 cache.
-template <class U, class T>
-concept SameElement = Element<T> && std::same_as<U, T>;
-template <class U, class T>
-concept AppendRows = std::same_as<U, float> || SameElement<U, T>;
-
 template <KVElement T>
 class DeviceCache {
  public:

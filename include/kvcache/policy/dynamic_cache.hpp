@@ -74,10 +74,8 @@ class DynamicCache {
   /// then allocating the rest.
   /// @throws layer_error, batch_error, shape_error, capacity_error (past max_seq_len),
   ///         std::bad_alloc; the cache is unchanged on throw.
-  template <class U>
-  requires(std::same_as<std::remove_const_t<U>, T>&& Element<T>) ||
-      std::same_as<std::remove_const_t<U>, float> void append(std::size_t layer, std::size_t seq,
-                                                              TokenBlock<U> k, TokenBlock<U> v) {
+  template <AppendRows<T> U>
+  void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     const In kin = k, vin = v;
     detail::check_layer(kName, layer, shape_.num_layers);

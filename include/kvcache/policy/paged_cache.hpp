@@ -124,10 +124,8 @@ class PagedCache {
   /// @throws layer_error, batch_error, shape_error, capacity_error (past max_seq_len),
   ///         position_error (a tracked sequence: positions past its registered ids),
   ///         pool_exhausted_error; the cache is unchanged on throw.
-  template <class U>
-  requires(std::same_as<std::remove_const_t<U>, T>&& Element<T>) ||
-      std::same_as<std::remove_const_t<U>, float> void append(std::size_t layer, std::size_t seq,
-                                                              TokenBlock<U> k, TokenBlock<U> v) {
+  template <AppendRows<T> U>
+  void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     append_rows(layer, seq, nullptr, In(k), In(v));
   }
@@ -142,11 +140,9 @@ class PagedCache {
   /// @throws as append(); shape_error (ids.size() != n); position_error (an id differs from
   ///         the one registered at its position, naming both; or an untracked sequence holding
   ///         K/V); the cache is unchanged on throw.
-  template <class U>
-  requires(std::same_as<std::remove_const_t<U>, T>&& Element<T>) ||
-      std::same_as<std::remove_const_t<U>, float> void append(std::size_t layer, std::size_t seq,
-                                                              std::span<const token_id> ids,
-                                                              TokenBlock<U> k, TokenBlock<U> v) {
+  template <AppendRows<T> U>
+  void append(std::size_t layer, std::size_t seq, std::span<const token_id> ids, TokenBlock<U> k,
+              TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     const In kin = k;
     if (ids.size() != kin.num_tokens) {

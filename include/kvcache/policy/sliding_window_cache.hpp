@@ -81,10 +81,8 @@ class SlidingWindowCache {
   /// once the ring is full. O(n * num_kv_heads * head_dim); never allocates.
   /// @throws layer_error, batch_error, shape_error, capacity_error (n > max_append_len);
   ///         the cache is unchanged on throw.
-  template <class U>
-  requires(std::same_as<std::remove_const_t<U>, T>&& Element<T>) ||
-      std::same_as<std::remove_const_t<U>, float> void append(std::size_t layer, std::size_t seq,
-                                                              TokenBlock<U> k, TokenBlock<U> v) {
+  template <AppendRows<T> U>
+  void append(std::size_t layer, std::size_t seq, TokenBlock<U> k, TokenBlock<U> v) {
     using In = TokenBlock<const std::remove_const_t<U>>;
     const In kin = k, vin = v;
     detail::check_layer(kName, layer, shape_.num_layers);
