@@ -76,6 +76,8 @@ struct RandomCase {
 constexpr std::size_t kOddDims[] = {1, 3, 7, 13, 64, 100};
 constexpr std::size_t kAvx2Dims[] = {8, 16, 24, 64, 96, 128, 256};
 constexpr std::size_t kAvx512Dims[] = {16, 32, 48, 64, 80, 112, 128, 256};
+// Multiples of 4 with every remainder of the NEON kernel's 16-column passes.
+constexpr std::size_t kNeonDims[] = {4, 8, 12, 20, 64, 100, 128, 256};
 
 RandomCase random_case(std::mt19937_64& rng, std::span<const std::size_t> dims) {
   using kvcache::test::uniform;
@@ -159,6 +161,15 @@ TEMPLATE_TEST_CASE("AVX-512 kernel equals the reference over random shapes and o
     return;
   }
   fast_matches_reference<TestType>(cpu::Kernel::avx512, kAvx512Dims, "avx512");
+}
+
+TEMPLATE_TEST_CASE("NEON kernel equals the reference over random shapes and options", "[neon]",
+                   float, half, bfloat16) {
+  if (!cpu::neon_supported(4)) {
+    WARN("skipped: not an AArch64 build");
+    return;
+  }
+  fast_matches_reference<TestType>(cpu::Kernel::neon, kNeonDims, "neon");
 }
 
 TEST_CASE("the automatic kernel is the widest one the CPU and head_dim allow, bit for bit") {

@@ -10,11 +10,12 @@
 
 namespace kvcache::test {
 
-/// portable, then avx2 and avx512 where this CPU and head_dim allow them.
+/// portable, then avx2 and avx512, or neon, where this CPU and head_dim allow them.
 inline std::vector<cpu::Kernel> cpu_kernels(std::size_t head_dim) {
   std::vector<cpu::Kernel> kernels{cpu::Kernel::portable};
   if (cpu::avx2_supported(head_dim)) kernels.push_back(cpu::Kernel::avx2);
   if (cpu::avx512_supported(head_dim)) kernels.push_back(cpu::Kernel::avx512);
+  if (cpu::neon_supported(head_dim)) kernels.push_back(cpu::Kernel::neon);
   return kernels;
 }
 
@@ -26,6 +27,8 @@ inline std::vector<cpu::Kernel> cpu_kernels(std::size_t head_dim) {
       return "avx2";
     case cpu::Kernel::avx512:
       return "avx512";
+    case cpu::Kernel::neon:
+      return "neon";
     default:
       return "automatic";
   }

@@ -23,6 +23,8 @@
 
 #include "kvcache/attention/cpu_avx2.hpp"
 #include "kvcache/attention/cpu_avx512.hpp"
+#include "kvcache/attention/cpu_micro.hpp"
+#include "kvcache/attention/cpu_neon.hpp"
 #include "kvcache/attention/options.hpp"
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
@@ -40,17 +42,18 @@ inline constexpr std::size_t kTile = 32;
 inline constexpr std::size_t kRowBlock = 16;
 /// Query rows per micro-kernel call.
 inline constexpr std::size_t kSubRows = 4;
-/// How many tiles ahead of the one being computed K/V rows are prefetched (into L2, see
-/// cpu_avx2.hpp's qk_rows). Zen 5, 16k-token decode, half K/V: two tiles ahead gives 0.68-0.71 of
-/// the read bandwidth with AVX-512 and 0.50-0.56 with AVX2, four tiles 0.57-0.64 and 0.46-0.48.
+/// How many tiles ahead of the one being computed K/V rows are prefetched (into L2, see qk_rows
+/// in cpu_simd_ops.inc). Zen 5, 16k-token decode, half K/V: two tiles ahead gives 0.68-0.71 of the
+/// read bandwidth with AVX-512 and 0.50-0.56 with AVX2, four tiles 0.57-0.64 and 0.46-0.48.
 inline constexpr std::size_t kPrefetchTiles = 2;
 
 /// Which implementation of the micro-kernels to run.
 enum class Kernel {
-  automatic,  ///< the first of avx512, avx2, portable that the CPU and head_dim allow
+  automatic,  ///< the first of avx512, avx2, neon, portable that the CPU and head_dim allow
   portable,   ///< plain C++ loops
   avx2,       ///< AVX2+FMA+F16C intrinsics, head_dim % 8 == 0 (shape_error where unavailable)
   avx512,     ///< AVX-512F intrinsics, head_dim % 16 == 0 (shape_error where unavailable)
+  neon,       ///< AArch64 NEON intrinsics, head_dim % 4 == 0 (shape_error where unavailable)
 };
 
 namespace detail {
@@ -871,6 +874,11 @@ void Kernels<T>::run_item(Kernel kernel, const ErasedTask<T>& t, const TaskSplit
       attend_heads<Avx2Ops<T>>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
       return;
 #endif
+#if KVCACHE_NEON_KERNELS
+    case Kernel::neon:
+      attend_heads<NeonOps<T>>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
+      return;
+#endif
     default:
       attend_heads<PortableOps<T>>(t.view, head0, num_heads, rows, num_rows, mask, scale, softcap);
   }
@@ -981,6 +989,15 @@ void run_tasks(Kernel kernel, std::span<const AttentionTask<V, Q, O>> tasks,
 #endif
 }
 
+[[nodiscard]] inline bool neon_available(std::size_t head_dim) noexcept {
+#if KVCACHE_NEON_KERNELS
+  return head_dim % 4 == 0;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 }  // namespace detail
 
 /// True when Kernel::avx2 can run for this head_dim on this CPU.
@@ -993,13 +1010,19 @@ void run_tasks(Kernel kernel, std::span<const AttentionTask<V, Q, O>> tasks,
   return detail::avx512_available(head_dim);
 }
 
+/// True when Kernel::neon can run for this head_dim (an AArch64 build and head_dim % 4 == 0).
+[[nodiscard]] inline bool neon_supported(std::size_t head_dim) noexcept {
+  return detail::neon_available(head_dim);
+}
+
 /// Fast attention for a batch of sequences, each task's queries against its own view
 /// (see kvcache::attend for the semantics; queries and output float, half or bfloat16). Parallel
 /// over (task, KV head, row block) on opts.pool when it is set and the call is large enough to
 /// pay for waking the workers; the result is the same bits with or without it.
 /// Never allocates (up to 256 tasks). O(sum over tasks of visible keys x num_q_heads x head_dim).
 /// @throws shape_error, position_error as kvcache::attend; shape_error when head_dim exceeds
-///         kMaxHeadDim, or when `kernel` is avx2 and the CPU or head_dim (% 8) does not allow it.
+///         kMaxHeadDim, or when `kernel` is avx2, avx512 or neon and the CPU or head_dim (% 8,
+///         % 16, % 4) does not allow it.
 template <KVView V, Element Q, Element O>
 void attend_batch(std::span<const AttentionTask<V, Q, O>> tasks, const AttentionOptions& opts = {},
                   Kernel kernel = Kernel::automatic) {
@@ -1011,7 +1034,7 @@ void attend_batch(std::span<const AttentionTask<V, Q, O>> tasks, const Attention
     first_large.resize(tasks.size());
     first = first_large;
   }
-  bool all_avx2 = true, all_avx512 = true;
+  bool all_avx2 = true, all_avx512 = true, all_neon = true;
   for (std::size_t i = 0; i < tasks.size(); ++i) {
     const auto& t = tasks[i];
     first[i] = kvcache::detail::check_attention(t.q, t.view, t.out, opts, t.query_pos);
@@ -1022,6 +1045,7 @@ void attend_batch(std::span<const AttentionTask<V, Q, O>> tasks, const Attention
     }
     all_avx2 = all_avx2 && detail::avx2_available(d);
     all_avx512 = all_avx512 && detail::avx512_available(d);
+    all_neon = all_neon && detail::neon_available(d);
   }
   if (kernel == Kernel::avx2 && !all_avx2) {
     throw shape_error(
@@ -1031,11 +1055,17 @@ void attend_batch(std::span<const AttentionTask<V, Q, O>> tasks, const Attention
     throw shape_error(
         "attend: the avx512 kernel needs a CPU with AVX-512F and head_dim a multiple of 16");
   }
+  if (kernel == Kernel::neon && !all_neon) {
+    throw shape_error(
+        "attend: the neon kernel needs an AArch64 build and head_dim a multiple of 4");
+  }
   Kernel run = Kernel::portable;
   if ((kernel == Kernel::automatic || kernel == Kernel::avx512) && all_avx512) {
     run = Kernel::avx512;
-  } else if (kernel != Kernel::portable && all_avx2) {
+  } else if ((kernel == Kernel::automatic || kernel == Kernel::avx2) && all_avx2) {
     run = Kernel::avx2;
+  } else if ((kernel == Kernel::automatic || kernel == Kernel::neon) && all_neon) {
+    run = Kernel::neon;
   }
   detail::run_tasks(run, tasks, first, opts);
 }

@@ -29,12 +29,15 @@ using scale_type = bfloat16;
 template <class U, class T>
 concept SameElement = Element<T> && std::same_as<U, T>;
 
+/// U is float, const or not.
+template <class U>
+concept FloatRows = std::same_as<float, std::remove_const_t<U>>;
+
 /// The rows (of element type U, const or not) that a cache of format T appends: float, rounded
 /// to T or quantized per row, or T itself for an f32/f16/bf16 cache. A quantized cache takes no
 /// codes from outside: its scales are its own.
 template <class U, class T>
-concept AppendRows = std::same_as < std::remove_const_t<U>,
-float > || SameElement<std::remove_const_t<U>, T>;
+concept AppendRows = FloatRows<U> || SameElement<std::remove_const_t<U>, T>;
 
 /// True for the formats whose rows carry a scale.
 template <KVElement T>
