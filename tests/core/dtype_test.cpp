@@ -13,6 +13,10 @@
 #include "support/rng.hpp"
 #include "support/throws.hpp"
 
+#if KVCACHE_X86_DISPATCH
+#include <immintrin.h>  // the scalar F16C conversions the tests compare against
+#endif
+
 using namespace kvcache;
 
 namespace {

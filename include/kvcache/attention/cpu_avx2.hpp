@@ -50,10 +50,10 @@ struct Vec {
   KVCACHE_TARGET_AVX2 static F fnma(F a, F b, F c) noexcept { return _mm256_fnmadd_ps(a, b, c); }
   KVCACHE_TARGET_AVX2 static F floor(F a) noexcept { return _mm256_floor_ps(a); }
 
-  /// The 8 halves exactly 2^-8 of 8 fp8 e4m3 codes (sign-extended to 16 bits): each code's
-  /// exponent and mantissa shifted under half's, the sign in bit 15 (see kCodeUnit).
+  /// The 8 halves exactly 2^-8 of 8 fp8 e4m3 codes (sign-extended to 16 bits; see kFp8HalfMask).
   KVCACHE_TARGET_AVX2 static __m128i e4m3_as_half(__m128i codes16) noexcept {
-    return _mm_and_si128(_mm_slli_epi16(codes16, 7), _mm_set1_epi16(static_cast<short>(0xbfff)));
+    return _mm_and_si128(_mm_slli_epi16(codes16, kFp8HalfShift),
+                         _mm_set1_epi16(static_cast<short>(kFp8HalfMask)));
   }
 
   /// 8 consecutive elements as 8 floats (codes as code_value reads them).

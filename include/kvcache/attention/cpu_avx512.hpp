@@ -9,7 +9,6 @@
 
 #if KVCACHE_X86_DISPATCH
 
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include <cstddef>
@@ -30,24 +29,6 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
-
-namespace kvcache::cpu::detail {
-
-/// True when the running CPU (and OS) supports AVX-512F besides AVX2+FMA+F16C. Read once with
-/// CPUID, as cpu_has_avx2_fma_f16c is.
-[[nodiscard]] inline bool cpu_has_avx512f() noexcept {
-  static const bool supported = [] {
-    if (!kvcache::detail::cpu_has_avx2_fma_f16c()) return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
-    if (((b >> 16) & 1u) == 0) return false;  // AVX-512F
-    // the OS saves XMM, YMM, the opmask registers and all of ZMM
-    return (kvcache::detail::read_xcr0() & 0xE6u) == 0xE6u;
-  }();
-  return supported;
-}
-
-}  // namespace kvcache::cpu::detail
 
 namespace kvcache::cpu::detail::avx512 {
 
@@ -87,8 +68,8 @@ struct Vec {
       // as avx2::Vec::e4m3_as_half, 16 codes at a time
       const __m256i codes =
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(codes, 7),
-                                              _mm256_set1_epi16(static_cast<short>(0xbfff))));
+      return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(codes, kFp8HalfShift),
+                                              _mm256_set1_epi16(static_cast<short>(kFp8HalfMask))));
     } else {
       const __m512i wide =
           _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -6,6 +6,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "kvcache/core/dtype.hpp"
@@ -18,6 +19,13 @@ namespace kvcache::cpu::detail {
 /// multiplies each row's scale by kCodeUnit<T> to make up for it.
 template <KVElement T>
 inline constexpr float kCodeUnit = std::same_as<T, fp8_e4m3> ? 256.0f : 1.0f;
+
+/// How the vector loads turn an e4m3 code, sign-extended to 16 bits, into the half exactly 2^-8 of
+/// its value: shifted left by kFp8HalfShift (its exponent and mantissa under half's, a copy of
+/// its sign in bit 15) and masked with kFp8HalfMask (clearing bit 14, where the code's own sign
+/// bit landed).
+inline constexpr int kFp8HalfShift = 7;
+inline constexpr std::uint16_t kFp8HalfMask = 0xbfff;
 
 /// The value the micro-kernels read for element x (see kCodeUnit).
 template <KVElement T>

@@ -5,9 +5,9 @@
 #pragma once
 
 #include "kvcache/attention/cpu_micro.hpp"
+#include "kvcache/core/cpu_features.hpp"
 
-#if defined(__aarch64__) && defined(__ARM_NEON) && (defined(__GNUC__) || defined(__clang__))
-#define KVCACHE_NEON_KERNELS 1
+#if KVCACHE_NEON_KERNELS
 
 #include <arm_neon.h>
 
@@ -59,9 +59,9 @@ struct Vec {
       if constexpr (std::same_as<T, qint8>) {
         return vcvtq_f32_s32(vmovl_s16(codes));
       } else {
-        // fp8 e4m3: the half exactly 2^-8 of each code's value (see kCodeUnit), as on x86.
-        const uint16x4_t bits = vand_u16(vreinterpret_u16_s16(vshl_n_s16(codes, 7)),
-                                         vdup_n_u16(static_cast<std::uint16_t>(0xbfff)));
+        // fp8 e4m3: the half exactly 2^-8 of each code's value (see kFp8HalfMask), as on x86.
+        const uint16x4_t bits = vand_u16(vreinterpret_u16_s16(vshl_n_s16(codes, kFp8HalfShift)),
+                                         vdup_n_u16(kFp8HalfMask));
         return vcvt_f32_f16(vreinterpret_f16_u16(bits));
       }
     }
@@ -137,6 +137,4 @@ template <KVElement T>
 using NeonOps = neon::Ops<T>;
 }  // namespace kvcache::cpu::detail
 
-#else
-#define KVCACHE_NEON_KERNELS 0
-#endif
+#endif  // KVCACHE_NEON_KERNELS

@@ -8,20 +8,14 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <type_traits>
 
+#include "kvcache/core/cpu_features.hpp"
 #include "kvcache/core/error.hpp"
 #include "kvcache/core/host_device.hpp"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
-#include <immintrin.h>
-#define KVCACHE_X86_DISPATCH 1
-#else
-#define KVCACHE_X86_DISPATCH 0
-#endif
 
 namespace kvcache {
 
@@ -286,36 +280,20 @@ template <Element T>
 namespace detail {
 
 #if KVCACHE_X86_DISPATCH
-/// XCR0: which register state the OS saves on a context switch. @pre CPUID reports OSXSAVE.
-[[nodiscard]] inline std::uint64_t read_xcr0() noexcept {
-  unsigned lo = 0, hi = 0;
-  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (std::uint64_t{hi} << 32) | lo;
-}
-
-/// True when the running CPU (and OS) supports AVX2, FMA and F16C, the fast CPU paths'
-/// requirement. Read once with CPUID and cached in a function-local constant: a fact about the
-/// machine, not mutable state.
-[[nodiscard]] inline bool cpu_has_avx2_fma_f16c() noexcept {
-  static const bool supported = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
-    const bool fma = (c >> 12) & 1u, osxsave = (c >> 27) & 1u, avx = (c >> 28) & 1u;
-    const bool f16c = (c >> 29) & 1u;
-    if (!(fma && osxsave && avx && f16c)) return false;
-    if ((read_xcr0() & 0x6u) != 0x6u) return false;  // the OS saves XMM and YMM state
-    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
-    return ((b >> 5) & 1u) != 0;  // AVX2
-  }();
-  return supported;
-}
+// F16C's conversions of eight floats by the compiler's builtins (what <immintrin.h>'s
+// _mm256_cvtps_ph / _mm256_cvtph_ps expand to, in GCC and clang alike), so that this header,
+// which everything includes, does not pull every intrinsic header in.
+using F16cFloats = float __attribute__((vector_size(32)));
+using F16cHalves = short __attribute__((vector_size(16)));
 
 __attribute__((target("avx2,f16c"))) inline void floats_to_half_f16c(const float* in, half* out,
                                                                      std::size_t n) noexcept {
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+    F16cFloats f;
+    std::memcpy(&f, in + i, sizeof f);
+    const F16cHalves h = __builtin_ia32_vcvtps2ph256(f, 0);  // 0: round to nearest even
+    std::memcpy(static_cast<void*>(out + i), &h, sizeof h);  // half: trivially copyable
   }
   for (; i < n; ++i) out[i] = half(in[i]);
 }
@@ -324,8 +302,10 @@ __attribute__((target("avx2,f16c"))) inline void half_to_floats_f16c(const half*
                                                                      std::size_t n) noexcept {
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+    F16cHalves h;
+    std::memcpy(&h, in + i, sizeof h);
+    const F16cFloats f = __builtin_ia32_vcvtph2ps256(h);
+    std::memcpy(out + i, &f, sizeof f);
   }
   for (; i < n; ++i) out[i] = static_cast<float>(in[i]);
 }
