@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Compiled by the add_subdirectory and FetchContent consumers with a strict engine's flags
+// Compiled by the add_subdirectory consumer with a strict engine's flags
 // (-Wconversion -Wsign-conversion -Wshadow -Wdouble-promotion -Wold-style-cast ... -Werror),
 // where kvcache's headers are plain -I includes: it instantiates the public templates (every
 // policy and storage format, every CPU kernel, snapshots, prefix caching, RoPE, cache-relative
