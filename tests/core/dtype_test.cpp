@@ -1,7 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // Element types: half and bfloat16 convert exactly like the hardware (round-to-nearest-even),
 // checked exhaustively or against independent references, and against F16C where the CPU has it.
-#include "kvcache/core/dtype.hpp"
+#include "kvcache/core/dtype.hpp"  // first: what it includes is checked below
+
+// GCC's and clang's include guards of <immintrin.h>: the header everything includes pulls in no
+// intrinsic headers (they are most of an x86 translation unit's front-end time).
+#if defined(_IMMINTRIN_H_INCLUDED) || defined(__IMMINTRIN_H)
+constexpr bool kDtypePullsIntrinsics = true;
+#else
+constexpr bool kDtypePullsIntrinsics = false;
+#endif
+static_assert(!kDtypePullsIntrinsics, "core/dtype.hpp includes <immintrin.h>");
 
 #include <bit>
 #include <cmath>
