@@ -132,12 +132,13 @@ TEST_CASE("greedy generation through every cache policy equals generation withou
   const auto want = llama::generate_uncached(engine, prompt, limits, greedy).tokens;
   REQUIRE(want.size() == 30);
 
-  auto check = [&](auto cache, const char* name) {
+  // Generates through `cache` and checks the tokens against `expected` (by default `want`).
+  auto check = [&](auto cache, const char* name, const std::vector<token_id>* expected = nullptr) {
     INFO("policy " << name);
     TokenTrackedCache tracked(std::move(cache));
     llama::Sampler s;
     const auto got = llama::generate(engine, tracked, 0, prompt, limits, s);
-    REQUIRE(got.tokens == want);
+    REQUIRE(got.tokens == (expected != nullptr ? *expected : want));
     REQUIRE(got.prompt_computed == prompt.size());
     REQUIRE(tracked.seq_length(0) == prompt.size() + want.size() - 1);
   };
@@ -154,9 +155,19 @@ TEST_CASE("greedy generation through every cache policy equals generation withou
                                    .num_sink_tokens = 4,
                                    .max_append_len = 8}),
         "sliding, sequence inside the window");
+  // fp16 K/V: rounding K and V can flip a near-tie of the greedy choice against the fp32 run (on
+  // some random prompts it does: seed 6910966065659024693, 9th token), so fp16 storage is checked
+  // against fp16 storage in another layout, where the same rounded K/V give the same bits.
+  const auto want_fp16 = [&] {
+    INFO("policy dynamic, fp16 storage");
+    TokenTrackedCache tracked(
+        DynamicCache<half>({.num_layers = L, .num_kv_heads = H, .head_dim = D, .chunk_len = 16}));
+    llama::Sampler s;
+    return llama::generate(engine, tracked, 0, prompt, limits, s).tokens;
+  }();
+  REQUIRE(want_fp16.size() == want.size());
   check(StaticCache<half>({.num_layers = L, .num_kv_heads = H, .head_dim = D, .max_seq_len = 60}),
-        "static, fp16 storage");  // fp16 K/V: the same greedy tokens on this model (checked, not
-                                  // assumed)
+        "static, fp16 storage", &want_fp16);
   // The paged cache is served by admit() (generate's PrefixCacheConcept overload), not wrapped.
   PagedCache<float> paged({.num_layers = L,
                            .num_kv_heads = H,
