@@ -38,10 +38,11 @@ printf '%s\n' "${tests[@]}" | xargs -P 2 -I{} \
 run_test() {
   local t=$1
   shift
+  local name="$t${*:+ $*}"  # the test and its Catch2 arguments, if any
   if "${run[@]}" "$out/$t" "$@" > "$out/$t.log" 2>&1; then
-    echo "--- $t $* (qemu-aarch64): $(grep -E '^(All tests passed|test cases)' "$out/$t.log")"
+    echo "--- $name (qemu-aarch64): $(grep -E '^(All tests passed|test cases)' "$out/$t.log")"
   else
-    echo "--- $t $* (qemu-aarch64) FAILED:"
+    echo "--- $name (qemu-aarch64) FAILED:"
     cat "$out/$t.log"
     return 1
   fi
