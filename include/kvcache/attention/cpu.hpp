@@ -432,14 +432,19 @@ void attend(TokenBlock<QT> q, const V& view, TokenBlock<O> out, const AttentionO
 //
 // Without that file the program fails to link (undefined Kernels<T>::run_item). Neither macro
 // changes what any function computes.
+//
+// KVCACHE_DETAIL_EACH_KERNELS(prefix) declares (extern template) or defines (template) the kernels
+// of every K/V format: the one list of them both uses.
+#define KVCACHE_DETAIL_EACH_KERNELS(prefix) \
+  namespace kvcache::cpu::detail {          \
+  prefix struct Kernels<float>;             \
+  prefix struct Kernels<half>;              \
+  prefix struct Kernels<bfloat16>;          \
+  prefix struct Kernels<qint8>;             \
+  prefix struct Kernels<fp8_e4m3>;          \
+  }
 #if defined(KVCACHE_EXTERN_KERNELS) && !defined(KVCACHE_INSTANTIATE_KERNELS)
-namespace kvcache::cpu::detail {
-extern template struct Kernels<float>;
-extern template struct Kernels<half>;
-extern template struct Kernels<bfloat16>;
-extern template struct Kernels<qint8>;
-extern template struct Kernels<fp8_e4m3>;
-}  // namespace kvcache::cpu::detail
+KVCACHE_DETAIL_EACH_KERNELS(extern template)
 #else
 #include "kvcache/attention/cpu_sweep.hpp"
 #endif

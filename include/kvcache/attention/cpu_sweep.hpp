@@ -672,11 +672,5 @@ void Kernels<T>::run_item(Kernel kernel, const ErasedTask<T>& t, const TaskSplit
 // KVCACHE_INSTANTIATE_KERNELS: this translation unit compiles every format's kernels for the
 // program (see the end of kvcache/attention/cpu.hpp).
 #if defined(KVCACHE_INSTANTIATE_KERNELS)
-namespace kvcache::cpu::detail {
-template struct Kernels<float>;
-template struct Kernels<half>;
-template struct Kernels<bfloat16>;
-template struct Kernels<qint8>;
-template struct Kernels<fp8_e4m3>;
-}  // namespace kvcache::cpu::detail
+KVCACHE_DETAIL_EACH_KERNELS(template)
 #endif
