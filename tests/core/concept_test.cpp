@@ -55,6 +55,17 @@ TEST_CASE("every policy models CacheConcept, and its view models KVView") {
   STATIC_REQUIRE(KVView<ChunkedView<bfloat16>>);
 }
 
+TEMPLATE_TEST_CASE("every policy models CacheConcept in every storage format", "[concept]", float,
+                   half, bfloat16, qint8, fp8_e4m3) {
+  STATIC_REQUIRE(CacheConcept<StaticCache<TestType>>);
+  STATIC_REQUIRE(CacheConcept<DynamicCache<TestType>>);
+  STATIC_REQUIRE(CacheConcept<SlidingWindowCache<TestType>>);
+  STATIC_REQUIRE(CacheConcept<PagedCache<TestType>>);
+  STATIC_REQUIRE(PrefixCacheConcept<PagedCache<TestType>>);
+  STATIC_REQUIRE(CacheConcept<TokenTrackedCache<StaticCache<TestType>>>);
+  STATIC_REQUIRE(KVView<typename PagedCache<TestType>::view_type>);
+}
+
 TEST_CASE("types missing a requirement are rejected") {
   STATIC_REQUIRE(CacheConcept<FakeCache<true, true>>);    // the complete fake is accepted
   STATIC_REQUIRE(!CacheConcept<FakeCache<false, true>>);  // no crop

@@ -105,14 +105,16 @@ class SequenceTable {
     return {lengths_.data() + seq * num_layers_, num_layers_};
   }
   [[nodiscard]] Extent extent(std::size_t seq) const noexcept {
-    const auto [lo, hi] = std::ranges::minmax_element(lengths(seq));
+    const std::span<const std::size_t> l = lengths(seq);
+    const auto [lo, hi] = std::minmax_element(l.begin(), l.end());
     return {*lo, *hi};
   }
 
   /// Slot seq empty again: no blocks, ids or positions. (The caller releases the blocks first.)
   void clear(std::size_t seq) noexcept {
     records_[seq] = {};
-    std::ranges::fill(lengths(seq), 0);
+    const std::span<std::size_t> l = lengths(seq);
+    std::fill(l.begin(), l.end(), 0);
   }
 
  private:

@@ -296,10 +296,4 @@ class DynamicCache {
   std::vector<RowBuffer<T>> spare_;
 };
 
-static_assert(CacheConcept<DynamicCache<float>>);
-static_assert(CacheConcept<DynamicCache<half>>);
-static_assert(CacheConcept<DynamicCache<bfloat16>>);
-static_assert(CacheConcept<DynamicCache<qint8>>);
-static_assert(CacheConcept<DynamicCache<fp8_e4m3>>);
-
 }  // namespace kvcache

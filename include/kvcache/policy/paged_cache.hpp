@@ -385,13 +385,4 @@ class PagedCache {
   HostBlocks<T> blocks_;
 };
 
-static_assert(CacheConcept<PagedCache<float>>);
-static_assert(CacheConcept<PagedCache<half>>);
-static_assert(CacheConcept<PagedCache<bfloat16>>);
-static_assert(CacheConcept<PagedCache<qint8>>);
-static_assert(CacheConcept<PagedCache<fp8_e4m3>>);
-static_assert(PrefixCacheConcept<PagedCache<float>>);
-static_assert(PrefixCacheConcept<PagedCache<half>>);
-static_assert(PrefixCacheConcept<PagedCache<bfloat16>>);
-
 }  // namespace kvcache

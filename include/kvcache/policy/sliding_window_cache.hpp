@@ -294,10 +294,4 @@ class SlidingWindowCache {
   std::vector<State> state_;  // [layer][seq]
 };
 
-static_assert(CacheConcept<SlidingWindowCache<float>>);
-static_assert(CacheConcept<SlidingWindowCache<half>>);
-static_assert(CacheConcept<SlidingWindowCache<bfloat16>>);
-static_assert(CacheConcept<SlidingWindowCache<qint8>>);
-static_assert(CacheConcept<SlidingWindowCache<fp8_e4m3>>);
-
 }  // namespace kvcache

@@ -165,10 +165,4 @@ class StaticCache {
   std::vector<std::size_t> lengths_;  // [layer][seq]
 };
 
-static_assert(CacheConcept<StaticCache<float>>);
-static_assert(CacheConcept<StaticCache<half>>);
-static_assert(CacheConcept<StaticCache<bfloat16>>);
-static_assert(CacheConcept<StaticCache<qint8>>);
-static_assert(CacheConcept<StaticCache<fp8_e4m3>>);
-
 }  // namespace kvcache
