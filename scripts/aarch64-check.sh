@@ -28,11 +28,17 @@ fi
 ln -sfn /usr/include/catch2 "$out/include/catch2"
 printf '#define CATCH_CONFIG_MAIN\n#include <catch2/catch.hpp>\n' > "$out/catch_main.cpp"
 test_cxx=("${cxx[@]}" -O2 -Itests -I"$out/include" -DKVCACHE_CATCH2_MAJOR=2 -Wall -Wextra -Werror)
+# The kernels are compiled once (examples/kernels.cpp, as the native build's kvcache_kernels) and
+# linked into every test, which is compiled with KVCACHE_EXTERN_KERNELS; beside it, Catch2's main.
+"${test_cxx[@]}" -c examples/kernels.cpp -o "$out/kernels.o" &
+kernels=$!
 [ -f "$out/catch_main.o" ] || "${test_cxx[@]}" -c "$out/catch_main.cpp" -o "$out/catch_main.o"
+wait "$kernels"
 tests=(attention_test quantized_attention_test nonfinite_test batch_invariance_test)
 # Two compilers at a time: each test is one translation unit.
 printf '%s\n' "${tests[@]}" | xargs -P 2 -I{} \
-  "${test_cxx[@]}" tests/attention/{}.cpp "$out/catch_main.o" -o "$out/{}" -pthread
+  "${test_cxx[@]}" -DKVCACHE_EXTERN_KERNELS tests/attention/{}.cpp "$out/kernels.o" \
+  "$out/catch_main.o" -o "$out/{}" -pthread
 
 # Runs test $1 under qemu with Catch2 arguments $2..; prints its summary, or its log on failure.
 run_test() {
