@@ -153,17 +153,21 @@ TEMPLATE_TEST_CASE("quantized K/V: inf and NaN reach exactly the queries that se
 }
 
 // The error quantization costs: decode attention (8 query heads over 2 KV heads) over N(0, 1)
-// K/V, queries N(0, 4), against the same attention over fp32 K/V. Bounds are the measured worst
-// over several seeds, a little over doubled (the README states the measured values).
+// K/V, queries N(0, 4), against the same attention over fp32 K/V (the README states the measured
+// values). The relative RMS error is concentrated; the largest error is not: it comes from the
+// few keys that dominate a query, whose weights a quantized logit can trade, so its bound is set
+// well above the tail seen, not at twice a typical seed.
 TEMPLATE_TEST_CASE("quantized K/V: error against fp32 attention within the measured bounds",
                    "[attention][quantized]", qint8, fp8_e4m3) {
   using T = TestType;
   auto rng = test::make_rng("quantized error");
   const std::size_t kv_heads = 2, q_heads = 8;
-  // RMS error relative to the output's RMS, and the largest absolute error. Worst of 16 seeds
-  // (KVCACHE_TEST_SEED=1..16) x these 4 shapes: int8 0.021 and 0.018, fp8 0.124 and 0.072.
+  // RMS error relative to the output's RMS, and the largest absolute error, over 120 seeds
+  // (KVCACHE_TEST_SEED=1..120) x these 4 shapes: int8 RMS worst 0.022, largest median 0.006,
+  // worst 0.031; fp8 RMS worst 0.124, largest median 0.027, worst 0.119 (and 0.182 once in ~1,600
+  // runs of a shape under fresh seeds: the bound this replaced, 0.15, failed there).
   const double rms_bound = std::same_as<T, qint8> ? 0.05 : 0.25;
-  const double max_bound = std::same_as<T, qint8> ? 0.04 : 0.15;
+  const double max_bound = std::same_as<T, qint8> ? 0.08 : 0.45;
   struct Case {
     std::size_t dim, tokens;
   };
