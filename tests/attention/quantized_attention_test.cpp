@@ -22,25 +22,6 @@ using kvcache::test::Tolerance;
 
 namespace {
 
-// The fast kernel's output for queries q ([n][q_heads][dim], positions first..) over `view`.
-template <KVView V>
-std::vector<float> fast(const std::vector<float>& q, std::size_t n, std::size_t q_heads,
-                        const V& view, const AttentionOptions& opts, cpu::Kernel kernel) {
-  std::vector<float> out(q.size());
-  cpu::attend(TokenBlock<const float>{q, n, q_heads, view.head_dim()}, view,
-              TokenBlock<float>{out, n, q_heads, view.head_dim()}, opts, kernel);
-  return out;
-}
-
-template <KVView V>
-std::vector<float> slow(const std::vector<float>& q, std::size_t n, std::size_t q_heads,
-                        const V& view, const AttentionOptions& opts) {
-  std::vector<float> out(q.size());
-  reference::attend(TokenBlock<const float>{q, n, q_heads, view.head_dim()}, view,
-                    TokenBlock<float>{out, n, q_heads, view.head_dim()}, opts);
-  return out;
-}
-
 struct ErrorStats {
   double max_abs = 0.0;  // largest |quantized - fp32|
   double rms = 0.0;      // RMS of the difference over RMS of the fp32 output
@@ -89,10 +70,10 @@ TEMPLATE_TEST_CASE("attention over quantized K/V equals the reference over the s
                                      << test::kernel_name(kernel) << " kernel");
         // The fast kernel adds in fp32 what the reference adds in double.
         const Tolerance tol{2e-6, 2e-5};
-        test::require_close(fast(q, n, q_heads, flat.view(0, 0), opts, kernel),
-                            slow(q, n, q_heads, flat.view(0, 0), opts), tol);
-        test::require_close(fast(q, n, q_heads, ring.view(0, 0), windowed, kernel),
-                            slow(q, n, q_heads, ring.view(0, 0), windowed), tol);
+        test::require_close(test::attend_fast(q, n, q_heads, flat.view(0, 0), opts, kernel),
+                            test::attend_slow(q, n, q_heads, flat.view(0, 0), opts), tol);
+        test::require_close(test::attend_fast(q, n, q_heads, ring.view(0, 0), windowed, kernel),
+                            test::attend_slow(q, n, q_heads, ring.view(0, 0), windowed), tol);
       }
     }
   }
@@ -115,11 +96,11 @@ TEMPLATE_TEST_CASE("quantized K/V: chunking changes no bit, windows agree with f
   const AttentionOptions windowed{.window = 64, .num_sink_tokens = 4, .query_pos = tokens - 1};
   for (cpu::Kernel kernel : test::cpu_kernels(dim)) {
     INFO(test::kernel_name(kernel));
-    REQUIRE(test::same_bits(fast(q, 1, q_heads, one.view(0, 0), opts, kernel),
-                            fast(q, 1, q_heads, many.view(0, 0), opts, kernel)));
+    REQUIRE(test::same_bits(test::attend_fast(q, 1, q_heads, one.view(0, 0), opts, kernel),
+                            test::attend_fast(q, 1, q_heads, many.view(0, 0), opts, kernel)));
     // The ring holds the same rows at other addresses: the same bits as the full cache masked.
-    REQUIRE(test::same_bits(fast(q, 1, q_heads, ring.view(0, 0), windowed, kernel),
-                            fast(q, 1, q_heads, one.view(0, 0), windowed, kernel)));
+    REQUIRE(test::same_bits(test::attend_fast(q, 1, q_heads, ring.view(0, 0), windowed, kernel),
+                            test::attend_fast(q, 1, q_heads, one.view(0, 0), windowed, kernel)));
   }
 }
 
@@ -139,14 +120,16 @@ TEMPLATE_TEST_CASE("quantized K/V: inf and NaN reach exactly the queries that se
       for (cpu::Kernel kernel : test::cpu_kernels(dim)) {
         INFO((in_v ? "V" : "K") << " holds " << bad << ", " << test::kernel_name(kernel));
         // The last query sees token 20 without a window and not with a window of 50.
-        const auto seen = fast(q, 1, q_heads, cache.view(0, 0), {.query_pos = tokens - 1}, kernel);
+        const auto seen =
+            test::attend_fast(q, 1, q_heads, cache.view(0, 0), {.query_pos = tokens - 1}, kernel);
         for (float x : seen) REQUIRE(std::isnan(x));
-        const auto unseen =
-            fast(q, 1, q_heads, cache.view(0, 0), {.window = 50, .query_pos = tokens - 1}, kernel);
+        const auto unseen = test::attend_fast(q, 1, q_heads, cache.view(0, 0),
+                                              {.window = 50, .query_pos = tokens - 1}, kernel);
         for (float x : unseen) REQUIRE(std::isfinite(x));
-        test::require_close(
-            unseen, slow(q, 1, q_heads, cache.view(0, 0), {.window = 50, .query_pos = tokens - 1}),
-            {2e-6, 2e-5});
+        test::require_close(unseen,
+                            test::attend_slow(q, 1, q_heads, cache.view(0, 0),
+                                              {.window = 50, .query_pos = tokens - 1}),
+                            {2e-6, 2e-5});
       }
     }
   }
@@ -180,8 +163,10 @@ TEMPLATE_TEST_CASE("quantized K/V: error against fp32 attention within the measu
     std::vector<float> q = test::normal_floats(rng, q_heads * c.dim);
     for (float& x : q) x *= 2.0f;
     const AttentionOptions opts{.query_pos = static_cast<position_t>(c.tokens - 1)};
-    const auto want = fast(q, 1, q_heads, exact.view(0, 0), opts, cpu::Kernel::automatic);
-    const auto got = fast(q, 1, q_heads, quantized.view(0, 0), opts, cpu::Kernel::automatic);
+    const auto want =
+        test::attend_fast(q, 1, q_heads, exact.view(0, 0), opts, cpu::Kernel::automatic);
+    const auto got =
+        test::attend_fast(q, 1, q_heads, quantized.view(0, 0), opts, cpu::Kernel::automatic);
     const ErrorStats e = error_of(got, want);
     std::printf("%s head_dim %zu, %zu tokens: max |error| %.3g, relative RMS error %.3g\n",
                 dtype_name(dtype_of<T>), c.dim, c.tokens, e.max_abs, e.rms);

@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // CacheConcept and KVView accept every policy and reject types that miss a requirement.
+#include <concepts>
+
 #include "kvcache/kvcache.hpp"
 #include "support/catch.hpp"
 
@@ -86,4 +88,20 @@ TEST_CASE("PrefixCacheConcept adds prefix caching to CacheConcept and rejects wh
   STATIC_REQUIRE(!PrefixCacheConcept<FakePrefixCache<false>>);  // no fork
   STATIC_REQUIRE(!PrefixCacheConcept<StaticCache<float>>);      // no prefix caching at all
   STATIC_REQUIRE(!PrefixCacheConcept<TokenTrackedCache<StaticCache<float>>>);
+}
+
+TEST_CASE("KVFormat: one format for K and V, or a KVFormats pair; views of a pair are KVViews") {
+  STATIC_REQUIRE(KVFormat<float>);
+  STATIC_REQUIRE(KVFormat<qint8>);
+  STATIC_REQUIRE(KVFormat<KVFormats<half, fp8_e4m3>>);
+  STATIC_REQUIRE(!KVFormat<int>);
+  STATIC_REQUIRE(!KVFormat<double>);
+  STATIC_REQUIRE(std::same_as<key_format_t<bfloat16>, bfloat16>);
+  STATIC_REQUIRE(std::same_as<value_format_t<bfloat16>, bfloat16>);
+  STATIC_REQUIRE(std::same_as<key_format_t<KVFormats<qint8, half>>, qint8>);
+  STATIC_REQUIRE(std::same_as<value_format_t<KVFormats<qint8, half>>, half>);
+  using Mixed = KVFormats<half, qint8>;
+  STATIC_REQUIRE(std::same_as<decltype(KVSegment<Mixed>{}.k), const half*>);
+  STATIC_REQUIRE(std::same_as<decltype(KVSegment<Mixed>{}.v), const qint8*>);
+  STATIC_REQUIRE(KVView<SegmentView<Mixed, 4>>);
 }

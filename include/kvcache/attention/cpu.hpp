@@ -6,7 +6,7 @@
 // (AttentionOptions::pool) may run in parallel. Over views of short segments (paged blocks) one
 // item sweeps several KV heads in lockstep, so that each block is read whole. The sweeps see every
 // view through ErasedView, and queries and output of any element type as untyped rows: they are
-// compiled once per K/V element type and kernel. This header is the interface and the dispatch;
+// compiled once per K/V format and kernel. This header is the interface and the dispatch;
 // the sweeps and micro-kernels are in cpu_sweep.hpp, included at the end.
 #pragma once
 
@@ -65,11 +65,12 @@ struct Row {
   DType out_type = DType::f32;
 };
 
-/// Any view of element type T, its segments fetched through one function pointer, several at a
-/// time: the sweeps below are compiled once per element type and kernel, however many view types
-/// a program attends over. One indirect call per batch of segments (per 128 keys of a paged
-/// view of 16-token blocks) costs nothing next to their K/V reads. Valid while the wrapped view is.
-template <KVElement T>
+/// Any view of format T (one format for K and V, or KVFormats<K, V>), its segments fetched
+/// through one function pointer, several at a time: the sweeps below are compiled once per format
+/// and kernel, however many view types a program attends over. One indirect call per batch of
+/// segments (per 128 keys of a paged view of 16-token blocks) costs nothing next to their K/V
+/// reads. Valid while the wrapped view is.
+template <KVFormat T>
 class ErasedView {
  public:
   using value_type = T;
@@ -164,8 +165,9 @@ template <KVView V, Element Q, Element O>
   const std::size_t segments = t.view.num_segments();
   if (rows == 0 || rows > kRowBlock || segments < 2) return 1;
   const std::size_t d = t.view.head_dim();
-  const std::size_t segment_bytes =
-      view_num_tokens(t.view) / segments * d * sizeof(typename V::value_type);
+  using F = typename V::value_type;
+  const std::size_t row_bytes = std::max(sizeof(key_format_t<F>), sizeof(value_format_t<F>)) * d;
+  const std::size_t segment_bytes = view_num_tokens(t.view) / segments * row_bytes;
   if (segment_bytes > kLockstepSegmentBytes) return 1;
   return std::max<std::size_t>(1, std::min({kMaxLockstepHeads, t.view.num_kv_heads(),
                                             kLockstepFloats / lockstep_stride(rows, d)}));
@@ -187,8 +189,8 @@ template <KVView V, Element Q, Element O>
 
 /// One task as run_item sees it: its view erased (ErasedView) and its queries and output untyped,
 /// with their element types (see Row), so that run_item and the sweeps are compiled once per K/V
-/// element type, not again per view, query or output type. Valid while the task is.
-template <KVElement T>
+/// format, not again per view, query or output type. Valid while the task is.
+template <KVFormat T>
 struct ErasedTask {
   ErasedView<T> view;
   const void* q;  // [num_tokens][num_q_heads][head_dim] elements of q_type
@@ -220,10 +222,11 @@ struct ErasedTask {
   }
 };
 
-/// The kernels of K/V format T: one class per format so that a program can compile them once
-/// (KVCACHE_EXTERN_KERNELS, below). Its member is defined out of the class, which keeps it from
-/// being inline, so that an extern declaration of the class suppresses its instantiation.
-template <KVElement T>
+/// The kernels of K/V format T (one format for both, or KVFormats<K, V>): one class per format so
+/// that a program can compile them once (KVCACHE_EXTERN_KERNELS, below). Its member is defined out
+/// of the class, which keeps it from being inline, so that an extern declaration of the class
+/// suppresses its instantiation.
+template <KVFormat T>
 struct Kernels {
   /// Runs work item `item` of task `t` split as `split`: KV heads [item / blocks * heads,
   /// + heads), row block item % blocks, with micro-kernels `kernel` (avx512, avx2 or portable).
@@ -434,14 +437,25 @@ void attend(TokenBlock<QT> q, const V& view, TokenBlock<O> out, const AttentionO
 // changes what any function computes.
 //
 // KVCACHE_DETAIL_EACH_KERNELS(prefix) declares (extern template) or defines (template) the kernels
-// of every K/V format: the one list of them both uses.
-#define KVCACHE_DETAIL_EACH_KERNELS(prefix) \
-  namespace kvcache::cpu::detail {          \
-  prefix struct Kernels<float>;             \
-  prefix struct Kernels<half>;              \
-  prefix struct Kernels<bfloat16>;          \
-  prefix struct Kernels<qint8>;             \
-  prefix struct Kernels<fp8_e4m3>;          \
+// of every K/V format and of the K/V format pairs below: the one list of them both uses. The
+// pairs are the common ones, not all twenty: 16-bit keys with 8-bit values (keys have outlier
+// channels that per-row scales serve worst), and 8-bit keys with half values (llama.cpp's
+// --cache-type-k q8_0 alone). A translation unit built with KVCACHE_EXTERN_KERNELS that attends
+// over another pair includes "kvcache/attention/cpu_sweep.hpp" after kvcache.hpp: that pair's
+// kernels then compile there (the listed ones stay extern); without it the program does not link.
+#define KVCACHE_DETAIL_EACH_KERNELS(prefix)             \
+  namespace kvcache::cpu::detail {                      \
+  prefix struct Kernels<float>;                         \
+  prefix struct Kernels<half>;                          \
+  prefix struct Kernels<bfloat16>;                      \
+  prefix struct Kernels<qint8>;                         \
+  prefix struct Kernels<fp8_e4m3>;                      \
+  prefix struct Kernels<KVFormats<half, qint8>>;        \
+  prefix struct Kernels<KVFormats<half, fp8_e4m3>>;     \
+  prefix struct Kernels<KVFormats<bfloat16, qint8>>;    \
+  prefix struct Kernels<KVFormats<bfloat16, fp8_e4m3>>; \
+  prefix struct Kernels<KVFormats<qint8, half>>;        \
+  prefix struct Kernels<KVFormats<fp8_e4m3, half>>;     \
   }
 #if defined(KVCACHE_EXTERN_KERNELS) && !defined(KVCACHE_INSTANTIATE_KERNELS)
 KVCACHE_DETAIL_EACH_KERNELS(extern template)

@@ -160,8 +160,8 @@ struct Vec {
 
 namespace kvcache::cpu::detail {
 /// The AVX2 operation set of the tile loop (see cpu.hpp). @pre head_dim % 8 == 0.
-template <KVElement T>
-using Avx2Ops = avx2::Ops<T>;
+template <KVFormat F>
+using Avx2Ops = avx2::Ops<F>;
 }  // namespace kvcache::cpu::detail
 
 #if defined(__NVCC__)

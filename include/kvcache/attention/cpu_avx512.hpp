@@ -180,8 +180,8 @@ struct Vec {
 
 namespace kvcache::cpu::detail {
 /// The AVX-512 operation set of the tile loop (see cpu.hpp). @pre head_dim % 16 == 0.
-template <KVElement T>
-using Avx512Ops = avx512::Ops<T>;
+template <KVFormat F>
+using Avx512Ops = avx512::Ops<F>;
 }  // namespace kvcache::cpu::detail
 
 #if defined(__GNUC__) && !defined(__clang__)

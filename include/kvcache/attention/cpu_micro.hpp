@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "kvcache/core/dtype.hpp"
+#include "kvcache/core/format.hpp"
 
 namespace kvcache::cpu::detail {
 
@@ -37,12 +38,13 @@ template <KVElement T>
   }
 }
 
-/// Memory a micro-kernel should start fetching while it computes: `bytes` from each of k and v
-/// (the K and V rows a few tiles ahead).
+/// Memory a micro-kernel should start fetching while it computes: k_bytes from k and v_bytes
+/// from v (the K and V rows a few tiles ahead; K and V may be stored in different formats).
 struct Prefetch {
   const char* k = nullptr;
   const char* v = nullptr;
-  std::size_t bytes = 0;
+  std::size_t k_bytes = 0;
+  std::size_t v_bytes = 0;
 };
 
 /// The 64-byte lines of the K (or V) side of a list of Prefetch ranges, prefetched into L2 in
@@ -58,7 +60,7 @@ class FetchLines {
   [[nodiscard]] std::size_t per_slice(std::size_t slices) const noexcept {
     if (slices == 0) return 0;
     std::size_t lines = (bytes_ + 63) / 64;
-    for (std::size_t i = 0; i < left_; ++i) lines += (ranges_[i].bytes + 63) / 64;
+    for (std::size_t i = 0; i < left_; ++i) lines += (side_bytes(ranges_[i]) + 63) / 64;
     return (lines + slices) / slices;
   }
   /// Prefetches the next `n` lines, or as many as are left. fetch, fetch_rest and next are always
@@ -91,11 +93,16 @@ class FetchLines {
     return line;
   }
 
+  // The bytes of this cursor's side (K or V) of a range.
+  [[nodiscard]] std::size_t side_bytes(const Prefetch& r) const noexcept {
+    return v_side_ ? r.v_bytes : r.k_bytes;
+  }
+
   // Moves to the next non-empty range, if any.
   void refill() noexcept {
     for (; bytes_ == 0 && left_ != 0; ++ranges_, --left_) {
       cur_ = v_side_ ? ranges_->v : ranges_->k;
-      bytes_ = ranges_->bytes;
+      bytes_ = side_bytes(*ranges_);
     }
   }
 

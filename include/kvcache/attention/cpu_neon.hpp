@@ -133,8 +133,8 @@ struct Vec {
 
 namespace kvcache::cpu::detail {
 /// The NEON operation set of the tile loop (see cpu.hpp). @pre head_dim % 4 == 0.
-template <KVElement T>
-using NeonOps = neon::Ops<T>;
+template <KVFormat F>
+using NeonOps = neon::Ops<F>;
 }  // namespace kvcache::cpu::detail
 
 #endif  // KVCACHE_NEON_KERNELS

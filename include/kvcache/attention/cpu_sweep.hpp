@@ -21,11 +21,13 @@
 
 namespace kvcache::cpu::detail {
 
-/// Plain C++ micro-kernels (any head_dim, any CPU).
-template <KVElement T>
+/// Plain C++ micro-kernels (any head_dim, any CPU) for K/V format F.
+template <KVFormat F>
 struct PortableOps {
+  using K = key_format_t<F>;
+  using V = value_format_t<F>;
   // Prefetching (ahead, num_ahead) is left to the hardware.
-  static void qk(const float* q, std::size_t rows, const T* const* k, std::size_t nk, std::size_t d,
+  static void qk(const float* q, std::size_t rows, const K* const* k, std::size_t nk, std::size_t d,
                  float* s, std::size_t stride, const Prefetch* /*ahead*/,
                  std::size_t /*num_ahead*/) noexcept {
     for (std::size_t r = 0; r < rows; ++r) {
@@ -44,7 +46,7 @@ struct PortableOps {
       }
     }
   }
-  static void pv(const float* p, std::size_t stride, std::size_t rows, const T* const* v,
+  static void pv(const float* p, std::size_t stride, std::size_t rows, const V* const* v,
                  std::size_t nk, std::size_t d, float* acc, const Prefetch* /*ahead*/,
                  std::size_t /*num_ahead*/) noexcept {
     // No skip for p == 0: a weight that underflowed must still turn an inf or NaN of V into
@@ -167,11 +169,11 @@ struct VisibleRange {
 };
 
 /// A run of keys consecutive in one segment: the K and V rows of one KV head, [n][head_dim] each,
-/// and for a quantized format their n scales each.
-template <KVElement T>
+/// and for a quantized side (K or V) its n scales.
+template <KVFormat T>
 struct KeyRun {
-  const T* k = nullptr;
-  const T* v = nullptr;
+  const key_format_t<T>* k = nullptr;
+  const value_format_t<T>* v = nullptr;
   position_t first = 0;
   std::size_t n = 0;
   const scale_type* k_scale = nullptr;
@@ -185,7 +187,7 @@ inline constexpr std::size_t kSegmentBatch = 8;
 /// boundaries, handing them out in runs. Tiles and prefetches follow the keys rather than the
 /// segments, so views of many short segments (paged blocks) cost no more per key than one long
 /// segment does.
-template <KVElement T>
+template <KVFormat T>
 class KeyWalker {
  public:
   KeyWalker(const ErasedView<T>& view, std::size_t kv_head, const VisibleRange& visible) noexcept
@@ -208,11 +210,9 @@ class KeyWalker {
     const std::size_t offset =
         s.head_stride * kv_head_ + static_cast<std::size_t>(pos_ - s.first_pos) * view_.head_dim();
     KeyRun<T> run{s.k + offset, s.v + offset, pos_, keys};
-    if constexpr (scaled_v<T>) {  // one scale per row: its index is the row's, over head_dim
-      const std::size_t row = offset / view_.head_dim();
-      run.k_scale = s.k_scale + row;
-      run.v_scale = s.v_scale + row;
-    }
+    // A quantized side has one scale per row: its index is the row's, over head_dim.
+    if constexpr (scaled_v<key_format_t<T>>) run.k_scale = s.k_scale + offset / view_.head_dim();
+    if constexpr (scaled_v<value_format_t<T>>) run.v_scale = s.v_scale + offset / view_.head_dim();
     pos_ += static_cast<position_t>(keys);
     if (pos_ == end_) settle(pos_);
     return run;
@@ -279,28 +279,38 @@ template <KVElement T>
   return finite;
 }
 
-/// The scales of a tile's K and V rows (quantized formats), times kCodeUnit, by slot; empty for
-/// the other formats.
+/// The scales of one side (K or V) of a tile's rows, stored in format T, times kCodeUnit<T>, by
+/// slot; empty for the formats without scales.
 template <KVElement T>
-struct TileScales {
-  void set(std::size_t, const KeyRun<T>&) noexcept {}
+struct SideScales {
+  void set(std::size_t, const scale_type*, std::size_t) noexcept {}
   void clear(std::size_t, std::size_t) noexcept {}
 };
 template <QuantizedElement T>
-struct TileScales<T> {
-  float k[kTile];
-  float v[kTile];
+struct SideScales<T> {
+  float s[kTile];
+  /// Slots [at, at + n) take the scales of n consecutive rows.
+  void set(std::size_t at, const scale_type* rows, std::size_t n) noexcept {
+    for (std::size_t j = 0; j < n; ++j) s[at + j] = static_cast<float>(rows[j]) * kCodeUnit<T>;
+  }
+  /// Slots [from, to) hold no key (holes): scale 0.
+  void clear(std::size_t from, std::size_t to) noexcept { std::fill(s + from, s + to, 0.0f); }
+};
+
+/// The scales of a tile's K and V rows, each side as its format stores them (SideScales).
+template <KVFormat T>
+struct TileScales {
+  SideScales<key_format_t<T>> k;
+  SideScales<value_format_t<T>> v;
   /// Slots [at, at + run.n) take the run's rows' scales.
   void set(std::size_t at, const KeyRun<T>& run) noexcept {
-    for (std::size_t j = 0; j < run.n; ++j) {
-      k[at + j] = static_cast<float>(run.k_scale[j]) * kCodeUnit<T>;
-      v[at + j] = static_cast<float>(run.v_scale[j]) * kCodeUnit<T>;
-    }
+    k.set(at, run.k_scale, run.n);
+    v.set(at, run.v_scale, run.n);
   }
   /// Slots [from, to) hold no key (holes): scale 0.
   void clear(std::size_t from, std::size_t to) noexcept {
-    std::fill(k + from, k + to, 0.0f);
-    std::fill(v + from, v + to, 0.0f);
+    k.clear(from, to);
+    v.clear(from, to);
   }
 };
 
@@ -308,8 +318,11 @@ struct TileScales<T> {
 /// the view's visible keys, one tile of kTile keys per step(). The caller owns the scaled queries
 /// and the output accumulators ([num_rows][head_dim] floats each), so that the sweeps of several
 /// KV heads can share one stack frame and run in lockstep (attend_heads).
-template <class Ops, KVElement T>
+template <class Ops, KVFormat T>
 class Sweep {
+  using K = key_format_t<T>;
+  using V = value_format_t<T>;
+
  public:
   /// Each step prefetches the keys of KV head `ahead_head`, `lead_tiles` tiles after the step's
   /// own: the sweep's own keys further on when it runs alone, the next head's keys of the same
@@ -351,9 +364,9 @@ class Sweep {
     // its oldest key or of the last sinks) are holes: they take a real row and a -inf score.
     KeyRun<T> runs[kTile];
     Prefetch fetch[kTile];
-    const T* krows[kTile];  // the tile's K and V rows, wherever their segments put them
-    const T* vrows[kTile];
-    TileScales<T> scales;  // quantized formats: the rows' scales
+    const K* krows[kTile];  // the tile's K and V rows, wherever their segments put them
+    const V* vrows[kTile];
+    TileScales<T> scales;  // quantized sides: the rows' scales
     const std::size_t d = d_;
     std::size_t num_runs = 0, nk = 0;
     bool holes = false;
@@ -366,7 +379,7 @@ class Sweep {
         const KeyRun<T> a = ahead_.next(run.n);
         ahead_.skip(run.n - a.n);  // keep the lead where segment boundaries do not line up
         fetch[num_runs] = {reinterpret_cast<const char*>(a.k), reinterpret_cast<const char*>(a.v),
-                           a.n * d * sizeof(T)};
+                           a.n * d * sizeof(K), a.n * d * sizeof(V)};
       }
       const auto at = static_cast<std::size_t>(run.first - cell);
       for (std::size_t j = nk; j < at; ++j) {
@@ -401,8 +414,10 @@ class Sweep {
       // The first row block fetches the rows ahead; later ones find them already coming.
       const std::size_t num_fetch = r0 == 0 ? num_runs : 0;
       Ops::qk(qs_ + r0 * d, sub, krows, nk, d, s_, kTile, fetch, num_fetch);
-      if constexpr (scaled_v<T>) {  // a row's dot products with its codes, times its scale
-        for (std::size_t r = 0; r < sub; ++r) scale_slots(s_ + r * kTile, scales.k, nk, all_slots);
+      if constexpr (scaled_v<K>) {  // a row's dot products with its codes, times its scale
+        for (std::size_t r = 0; r < sub; ++r) {
+          scale_slots(s_ + r * kTile, scales.k.s, nk, all_slots);
+        }
       }
       if (mask_.rope != nullptr && cell < mask_.sinks) {
         score_sinks(r0, sub, cover, krows, nk, cell, scales);
@@ -466,7 +481,7 @@ class Sweep {
         row_sum_[r0 + r] += Ops::exp_sum(sr, nk, m_new);
         // Quantized V: each seen slot's weight times its row's scale. Unseen slots keep weight 0,
         // which a NaN scale (a non-finite row, zero codes) would turn into NaN.
-        if constexpr (scaled_v<T>) scale_slots(sr, scales.v, nk, seen[r]);
+        if constexpr (scaled_v<V>) scale_slots(sr, scales.v.s, nk, seen[r]);
       }
       if (!hidden) {
         Ops::pv(s_, kTile, sub, vrows, nk, d, acc_ + r0 * d, fetch, num_fetch);
@@ -512,7 +527,7 @@ class Sweep {
   // (positions cell + j < sinks) for each row whose window has moved off the sinks, from its q
   // turned back by the row's sink_shift. One row at a time, so a row's scores are the same bits
   // whichever rows share its block.
-  void score_sinks(std::size_t r0, std::size_t sub, const TileCover* cover, const T* const* krows,
+  void score_sinks(std::size_t r0, std::size_t sub, const TileCover* cover, const K* const* krows,
                    std::size_t nk, position_t cell, const TileScales<T>& scales) noexcept {
     alignas(64) float turned[kMaxHeadDim];
     alignas(64) float scores[kTile];
@@ -525,7 +540,7 @@ class Sweep {
       std::copy(q, q + d_, turned);
       mask_.rope->turn(turned, 1, -static_cast<double>(shift));
       Ops::qk(turned, 1, krows, num_sinks, d_, scores, kTile, nullptr, 0);
-      if constexpr (scaled_v<T>) scale_slots(scores, scales.k, num_sinks, ~std::uint32_t{0});
+      if constexpr (scaled_v<K>) scale_slots(scores, scales.k.s, num_sinks, ~std::uint32_t{0});
       std::copy(scores, scores + num_sinks, s_ + r * kTile);
     }
   }
@@ -536,16 +551,16 @@ class Sweep {
   // is finite (0 * finite adds nothing, bit for bit); else each row runs alone over its own
   // slots. A row's arithmetic is the same alone or beside others (each micro-kernel keeps one
   // accumulator per row and adds the keys in order).
-  void pv_hidden(std::size_t sub, const std::uint32_t* seen, const T* const* vrows, std::size_t nk,
+  void pv_hidden(std::size_t sub, const std::uint32_t* seen, const V* const* vrows, std::size_t nk,
                  float* acc, const Prefetch* fetch, std::size_t num_fetch) const noexcept {
-    const T* zero = zero_row<T>();
+    const V* zero = zero_row<V>();
     std::uint32_t seen_any = 0, seen_all = ~std::uint32_t{0};
     for (std::size_t r = 0; r < sub; ++r) {
       seen_any |= seen[r];
       seen_all &= seen[r];
     }
     bool alone = false;
-    const T* v[kTile];
+    const V* v[kTile];
     for (std::size_t j = 0; j < nk; ++j) {
       const std::uint32_t bit = std::uint32_t{1} << j;
       v[j] = (seen_any & bit) != 0 ? vrows[j] : zero;
@@ -601,7 +616,7 @@ class Sweep {
 /// arithmetic is the same whatever num_heads is.
 /// @pre num_heads <= kMaxLockstepHeads, rows_per_head <= kRowBlock,
 ///      num_heads * lockstep_stride(rows_per_head, head_dim) <= kLockstepFloats.
-template <class Ops, KVElement T>
+template <class Ops, KVFormat T>
 void attend_heads(const ErasedView<T>& view, std::size_t head0, std::size_t num_heads,
                   const Row* rows, std::size_t rows_per_head, const KVMask& mask, float scale,
                   float softcap) noexcept {
@@ -629,7 +644,7 @@ void attend_heads(const ErasedView<T>& view, std::size_t head0, std::size_t num_
   for (std::size_t h = 0; h < num_heads; ++h) sweeps[h]->finish();
 }
 
-template <KVElement T>
+template <KVFormat T>
 void Kernels<T>::run_item(Kernel kernel, const ErasedTask<T>& t, const TaskSplit& split,
                           position_t first_pos, std::size_t item, const KVMask& mask, float scale,
                           float softcap) noexcept {

@@ -25,6 +25,45 @@ namespace kvcache {
 /// half row (head_dim + 2 bytes against 2 x head_dim).
 using scale_type = bfloat16;
 
+/// Keys stored in format K and values in format V, chosen independently (each an element format
+/// or a quantized one): llama.cpp's --cache-type-k / --cache-type-v. Attention reads such K/V
+/// through any view whose value_type is KVFormats<K, V> (SegmentView over the caller's own
+/// storage): a quantized side's rows carry their scales, the other side's do not. KVFormats<T, T>
+/// reads the same as T.
+template <KVElement K, KVElement V>
+struct KVFormats {
+  using key_type = K;
+  using value_type = V;
+};
+
+namespace detail {
+template <class F>
+struct FormatSides {};  // F is not a K/V format: no key, no value
+template <KVElement T>
+struct FormatSides<T> {
+  using key = T;
+  using value = T;
+};
+template <KVElement K, KVElement V>
+struct FormatSides<KVFormats<K, V>> {
+  using key = K;
+  using value = V;
+};
+}  // namespace detail
+
+/// What a view's K and V are stored as: one KVElement for both, or a KVFormats pair.
+template <class F>
+concept KVFormat = requires {
+  typename detail::FormatSides<F>::key;
+  typename detail::FormatSides<F>::value;
+};
+
+/// The key and the value format of F (both F for a KVElement).
+template <KVFormat F>
+using key_format_t = typename detail::FormatSides<F>::key;
+template <KVFormat F>
+using value_format_t = typename detail::FormatSides<F>::value;
+
 /// U is T, an element format (f32, f16 or bf16): rows of it are stored as they are.
 template <class U, class T>
 concept SameElement = Element<T> && std::same_as<U, T>;

@@ -39,20 +39,23 @@ struct KeyRange {
 /// One layer of a batch of sequences: the K and V bases, the row shape, and the mapping of
 /// positions to rows. Pointers are device pointers for CUDA kernels (DeviceCache::view() builds
 /// it; engines may fill one by hand for K/V in their own buffers) and host pointers for the CPU
-/// caches. Rows are head_dim elements of T; V rows sit at the same offsets from `v` as K rows
-/// from `k`. A quantized format (int8, fp8) keeps one scale per row beside the codes: the scale of
-/// the row at element offset o from k is k_scale[o / head_dim] (v_scale likewise); null for
-/// f32/f16/bf16.
+/// caches. Rows are head_dim elements of F; V rows sit at the same element offsets from `v` as K
+/// rows from `k`. A quantized format (int8, fp8) keeps one scale per row beside the codes: the
+/// scale of the row at element offset o from k is k_scale[o / head_dim] (v_scale likewise); null
+/// for f32/f16/bf16. F = KVFormats<K, V> describes K rows of K and V rows of V in storage of the
+/// engine's own (two arrays, since the rows' sizes differ): k_scale is set when K is quantized,
+/// v_scale when V is; host attention reads it through LayoutView (the caches and the CUDA kernels
+/// use one format).
 ///
 /// `length`, `sink_end` and `recent_begin` are per-sequence arrays (KeyRange of each sequence)
 /// read by kernels; sink_end/recent_begin may be null (= 0). A host LayoutView is given its
 /// sequence's KeyRange directly and reads none of them.
-template <KVElement T>
+template <KVFormat F>
 struct KVLayout {
-  const T* k = nullptr;                 ///< K base of the layer
-  const T* v = nullptr;                 ///< V base of the layer
-  const scale_type* k_scale = nullptr;  ///< quantized formats: the K rows' scales, else null
-  const scale_type* v_scale = nullptr;  ///< quantized formats: the V rows' scales, else null
+  const key_format_t<F>* k = nullptr;    ///< K base of the layer
+  const value_format_t<F>* v = nullptr;  ///< V base of the layer
+  const scale_type* k_scale = nullptr;   ///< quantized K: the K rows' scales, else null
+  const scale_type* v_scale = nullptr;   ///< quantized V: the V rows' scales, else null
   int num_seqs = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
@@ -187,6 +190,7 @@ template <KVElement T>
 }
 
 static_assert(std::is_trivially_copyable_v<KVLayout<float>>);
+static_assert(std::is_trivially_copyable_v<KVLayout<KVFormats<half, qint8>>>);
 static_assert(std::is_trivially_copyable_v<KeyRange>);
 
 }  // namespace kvcache

@@ -26,10 +26,12 @@ namespace kvcache {
 /// `head_stride` elements apart. K of slot j, head h is at k + h * head_stride + j * head_dim.
 /// Quantized formats (int8, fp8): the scale of that row is k_scale[h * head_stride / head_dim + j]
 /// (v_scale likewise; its value is code x scale); k_scale and v_scale are null for f32/f16/bf16.
-template <KVElement T>
+/// F is one format for K and V, or KVFormats<K, V>: K rows of type K (k_scale set when K is
+/// quantized), V rows of type V (v_scale likewise), at the same element offsets.
+template <KVFormat F>
 struct KVSegment {
-  const T* k = nullptr;
-  const T* v = nullptr;
+  const key_format_t<F>* k = nullptr;
+  const value_format_t<F>* v = nullptr;
   std::size_t head_stride = 0;
   position_t first_pos = 0;
   std::size_t len = 0;
@@ -41,7 +43,8 @@ struct KVSegment {
 ///
 /// Requirements (for `const V v`, `std::size_t i`):
 ///  1. `V::value_type` is the element type (float, half, bfloat16, or the codes of a quantized
-///     format, qint8 or fp8_e4m3, whose segments carry row scales).
+///     format, qint8 or fp8_e4m3, whose segments carry row scales), or KVFormats<K, V> for keys
+///     and values stored in different formats (the caches' own views hold one format).
 ///  2. `v.num_kv_heads()`, `v.head_dim()` -> std::size_t: the row shape.
 ///  3. `v.length()` -> position_t: one past the last position of the sequence (its seq_length).
 ///  4. `v.sink_end()`, `v.recent_begin()` -> position_t: the positions the view holds are
@@ -55,7 +58,7 @@ struct KVSegment {
 template <class V>
 concept KVView = requires(const V& v, std::size_t i) {
   typename V::value_type;
-  requires KVElement<typename V::value_type>;
+  requires KVFormat<typename V::value_type>;
   { v.num_kv_heads() } -> std::same_as<std::size_t>;
   { v.head_dim() } -> std::same_as<std::size_t>;
   { v.length() } -> std::same_as<position_t>;
@@ -76,8 +79,9 @@ template <KVView V>
 /// memory (KVLayout::run_of: the whole sequence, the sinks then each lap of the ring, each block)
 /// cut to the positions the sequence holds, [0, sink_end) then [recent_begin, length): for a paged
 /// sequence that drops nothing, one segment per block. O(1) per segment; reads the layout's
-/// addressing (row_offset), never its per-sequence arrays.
-template <KVElement T>
+/// addressing (row_offset), never its per-sequence arrays. T: one format for K and V, or
+/// KVFormats<K, V> (a layout over the engine's own K and V arrays).
+template <KVFormat T>
 class LayoutView {
  public:
   using value_type = T;
@@ -116,11 +120,9 @@ class LayoutView {
     KVSegment<T> s{layout_.k + offset, layout_.v + offset,
                    static_cast<std::size_t>(layout_.head_stride), begin,
                    static_cast<std::size_t>(end - begin)};
-    if (layout_.k_scale != nullptr) {
-      const std::size_t row = offset / static_cast<std::size_t>(layout_.head_dim);
-      s.k_scale = layout_.k_scale + row;
-      s.v_scale = layout_.v_scale + row;
-    }
+    const std::size_t row = offset / static_cast<std::size_t>(layout_.head_dim);
+    if (layout_.k_scale != nullptr) s.k_scale = layout_.k_scale + row;
+    if (layout_.v_scale != nullptr) s.v_scale = layout_.v_scale + row;
     return s;
   }
 
@@ -149,8 +151,9 @@ class LayoutView {
   std::size_t num_segments_ = 0;
 };
 
-/// A view made of at most N segments stored inline, for K/V laid out in the caller's own way.
-template <KVElement T, std::size_t N>
+/// A view made of at most N segments stored inline, for K/V laid out in the caller's own way
+/// (T: one format for K and V, or KVFormats<K, V>).
+template <KVFormat T, std::size_t N>
 class SegmentView {
  public:
   using value_type = T;
@@ -236,5 +239,7 @@ class ChunkedView {
 static_assert(KVView<LayoutView<float>>);
 static_assert(KVView<SegmentView<float, 1>>);
 static_assert(KVView<ChunkedView<half>>);
+static_assert(KVView<SegmentView<KVFormats<half, qint8>, 1>>);
+static_assert(KVView<LayoutView<KVFormats<qint8, half>>>);
 
 }  // namespace kvcache
