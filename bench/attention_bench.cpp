@@ -1,11 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // Decode attention bandwidth: 1 query token, 32 query heads over 8 KV heads, head_dim 128,
-// contexts 1k..32k, float, half, int8 and fp8 K/V, 1 and 2 threads, each SIMD kernel the CPU has
-// (AVX2, AVX-512), against a memory-read baseline and an FMA-peak baseline measured in the same
-// run. Each iteration reads another
-// layer of a cache much larger than the last-level cache, as a real decode step does, so the
-// figures are DRAM bandwidth, not cache bandwidth. Also: sliding decode with cache-relative
-// positions over absolute ones.
+// contexts 1k..32k, float, half, int8 and fp8 K/V and half keys with int8 values, 1 and 2 threads,
+// each SIMD kernel the CPU has (AVX2, AVX-512), against a memory-read baseline and an FMA-peak
+// baseline measured in the same run. Each iteration reads another layer of a cache much larger than
+// the last-level cache, as a real decode step does, so the figures are DRAM bandwidth, not cache
+// bandwidth. Also: sliding decode with cache-relative positions over absolute ones.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -16,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -55,29 +55,59 @@ std::unique_ptr<kvcache::StaticCache<T>> random_cache(std::size_t layers, std::s
   return cache;
 }
 
-// Bytes of one layer of `context` tokens in format T, the int8/fp8 rows' scales included.
-template <class T>
+// Bytes of one layer of `context` tokens in format F (a KVFormats pair: its K half and its V
+// half), the int8/fp8 rows' scales included.
+template <class F>
 std::size_t layer_bytes(std::size_t context) {
-  return kvcache::kv_cache_bytes({1, kKvHeads, kHeadDim, kvcache::dtype_of<T>}, context);
+  const auto bytes = [&](kvcache::DType t) {
+    return kvcache::kv_cache_bytes({1, kKvHeads, kHeadDim, t}, context);
+  };
+  return (bytes(kvcache::dtype_of<kvcache::key_format_t<F>>) +
+          bytes(kvcache::dtype_of<kvcache::value_format_t<F>>)) /
+         2;
 }
 
-// One cache at a time (a few GiB), rebuilt when the dtype or context changes.
-template <class T>
+// Half keys with int8 values: the pair attention reads through a KVFormats view.
+using HalfKeysInt8Values = kvcache::KVFormats<kvcache::half, kvcache::qint8>;
+
+// One cache at a time (a few GiB), rebuilt when the format or context changes. A KVFormats pair
+// keeps its keys in a cache of the key format and its values in one of the value format (the
+// same appends), read as one view of the pair.
+template <class F>
 struct DecodeFixture {
+  using K = kvcache::key_format_t<F>;
+  using V = kvcache::value_format_t<F>;
   std::size_t context = 0;
   std::size_t layers = 0;
-  std::unique_ptr<kvcache::StaticCache<T>> cache;
+  std::unique_ptr<kvcache::StaticCache<K>> keys;
+  std::unique_ptr<kvcache::StaticCache<V>> values;  // pairs only
 
   static DecodeFixture& get(std::size_t context) {
     static DecodeFixture f;
     if (f.context != context) {
-      f.cache.reset();
+      f.keys.reset();
+      f.values.reset();
       f.context = context;
-      const std::size_t per_layer = layer_bytes<T>(context);
+      const std::size_t per_layer = layer_bytes<F>(context);
       f.layers = std::max<std::size_t>(2, kWorkingSetBytes / per_layer);
-      f.cache = random_cache<T>(f.layers, context);
+      f.keys = random_cache<K>(f.layers, context);
+      if constexpr (!std::is_same_v<F, K>) f.values = random_cache<V>(f.layers, context);
     }
     return f;
+  }
+
+  // The view of one layer: the cache's own, or the pair's keys and values as one segment.
+  [[nodiscard]] auto view(std::size_t layer) const {
+    if constexpr (std::is_same_v<F, K>) {
+      return keys->view(layer, 0);
+    } else {
+      const auto k = keys->view(layer, 0).segment(0);
+      const auto v = values->view(layer, 0).segment(0);
+      kvcache::SegmentView<F, 1> pair(kKvHeads, kHeadDim, static_cast<kvcache::position_t>(context),
+                                      0, 0);
+      pair.push({k.k, v.v, k.head_stride, k.first_pos, k.len, k.k_scale, v.v_scale});
+      return pair;
+    }
   }
 };
 
@@ -88,21 +118,24 @@ struct DecodeFixture {
 // where the pages happen to lie affects both sides alike. Returns the seconds it took.
 template <kvcache::KVView V>
 double read_layer(kvcache::ThreadPool& pool, std::size_t threads, const V& view) {
-  using T = typename V::value_type;
-  const auto seg = view.segment(0);  // a StaticCache view: one segment
-  const std::size_t words = seg.len * view.head_dim() * sizeof(T) / sizeof(std::uint64_t);
+  using F = typename V::value_type;
+  const auto seg = view.segment(0);  // a StaticCache view (or a pair of them): one segment
+  const std::size_t elements = seg.len * view.head_dim();
   const std::size_t heads = view.num_kv_heads();
   std::uint64_t sums[64] = {};
   const auto start = std::chrono::steady_clock::now();
   pool.parallel_for(threads, [&](std::size_t t) {
     std::uint64_t a[8] = {};
-    for (std::size_t h = t; h < heads; h += threads) {
-      for (const T* rows : {seg.k, seg.v}) {
-        const auto* p = reinterpret_cast<const std::uint64_t*>(rows + h * seg.head_stride);
-        for (std::size_t i = 0; i + 8 <= words; i += 8) {
-          for (std::size_t j = 0; j < 8; ++j) a[j] += p[i + j];
-        }
+    const auto sum = [&a](const void* rows, std::size_t bytes) {
+      const auto* p = static_cast<const std::uint64_t*>(rows);
+      const std::size_t words = bytes / sizeof(std::uint64_t);
+      for (std::size_t i = 0; i + 8 <= words; i += 8) {
+        for (std::size_t j = 0; j < 8; ++j) a[j] += p[i + j];
       }
+    };
+    for (std::size_t h = t; h < heads; h += threads) {
+      sum(seg.k + h * seg.head_stride, elements * sizeof(kvcache::key_format_t<F>));
+      sum(seg.v + h * seg.head_stride, elements * sizeof(kvcache::value_format_t<F>));
     }
     for (std::uint64_t x : a) sums[t] += x;
   });
@@ -132,23 +165,25 @@ void add_args(benchmark::internal::Benchmark* b, std::initializer_list<std::int6
 // then runs the attention call over the next layer; only the latter is the iteration's (manual)
 // time. The two alternate within milliseconds, so a noisy neighbour slows both alike and the ratio
 // holds where two separately timed benchmarks can disagree by 2x on a shared machine.
-template <class T>
+template <class F>
 void BM_DecodeAttention(benchmark::State& state) {
   const auto context = static_cast<std::size_t>(state.range(0));
   const auto threads = static_cast<std::size_t>(state.range(1));
   const kvcache::cpu::Kernel kernel = kernel_of(state.range(2));
-  auto& f = DecodeFixture<T>::get(context);
+  auto& f = DecodeFixture<F>::get(context);
   kvcache::ThreadPool pool(threads);
   std::vector<float> q(kQHeads * kHeadDim, 0.1f), out(q.size());
-  const std::size_t bytes = layer_bytes<T>(context);
-  const std::size_t read_bytes = kvcache::kv_cache_bytes(1, kKvHeads, kHeadDim, context, sizeof(T));
+  const std::size_t bytes = layer_bytes<F>(context);
+  const std::size_t read_bytes =
+      context * kKvHeads * kHeadDim *
+      (sizeof(kvcache::key_format_t<F>) + sizeof(kvcache::value_format_t<F>));
   std::size_t layer = 0;
   double read_seconds = 0, attend_seconds = 0;
   for (auto _ : state) {
-    read_seconds += read_layer(pool, threads, f.cache->view((layer + f.layers / 2) % f.layers, 0));
+    read_seconds += read_layer(pool, threads, f.view((layer + f.layers / 2) % f.layers));
     const auto start = std::chrono::steady_clock::now();
-    kvcache::cpu::attend({q, 1, kQHeads, kHeadDim}, f.cache->view(layer, 0),
-                         {out, 1, kQHeads, kHeadDim}, {.pool = &pool}, kernel);
+    kvcache::cpu::attend({q, 1, kQHeads, kHeadDim}, f.view(layer), {out, 1, kQHeads, kHeadDim},
+                         {.pool = &pool}, kernel);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
     const double seconds =
@@ -172,6 +207,7 @@ BENCHMARK(BM_DecodeAttention<float>)->Apply(decode_args)->UseManualTime();
 BENCHMARK(BM_DecodeAttention<kvcache::half>)->Apply(decode_args)->UseManualTime();
 BENCHMARK(BM_DecodeAttention<kvcache::qint8>)->Apply(decode_args)->UseManualTime();
 BENCHMARK(BM_DecodeAttention<kvcache::fp8_e4m3>)->Apply(decode_args)->UseManualTime();
+BENCHMARK(BM_DecodeAttention<HalfKeysInt8Values>)->Apply(decode_args)->UseManualTime();
 
 #if KVCACHE_X86_DISPATCH
 // FMA-peak baseline: 24 independent chains of vector FMAs per thread (enough to cover the latency
@@ -285,13 +321,15 @@ int main(int argc, char** argv) {
         "read alternately in one run)\n");
     std::printf(
         "(speed: the half decode's time over this one's, same context, threads and kernel; "
-        "FMA: the decode's fp32 FMA rate over the FMA peak measured in this run)\n");
+        "FMA: the decode's fp32 FMA rate over the FMA peak measured in this run; f16+i8: half "
+        "keys with int8 values, KVFormats<half, qint8>)\n");
     std::printf("%-6s %8s %8s %7s %11s %11s %7s %7s %10s %7s\n", "format", "context", "threads",
                 "kernel", "attn GB/s", "read GB/s", "ratio", "speed", "GFMA/s", "FMA");
     const std::pair<const char*, const char*> formats[] = {{"float", "float"},
                                                            {"half", "kvcache::half"},
                                                            {"int8", "kvcache::qint8"},
-                                                           {"fp8", "kvcache::fp8_e4m3"}};
+                                                           {"fp8", "kvcache::fp8_e4m3"},
+                                                           {"f16+i8", "HalfKeysInt8Values"}};
     for (const auto& [label, type] : formats) {
       for (int ctx : {1024, 4096, 16384, 32768}) {
         for (int t : {1, 2}) {
