@@ -16,9 +16,6 @@
 #include <vector>
 
 #include "kvcache/kvcache.hpp"
-// The pairs outside KVCACHE_DETAIL_EACH_KERNELS (KVFormats<T, T> below) compile here, as
-// cpu.hpp documents for a translation unit built with KVCACHE_EXTERN_KERNELS.
-#include "kvcache/attention/cpu_sweep.hpp"
 #include "support/cache_helpers.hpp"
 #include "support/catch.hpp"
 #include "support/kernels.hpp"
@@ -173,8 +170,12 @@ TEMPLATE_TEST_CASE("K and V in different formats: every kernel equals the refere
   }
 }
 
+// A view of KVFormats<T, T> runs T's kernels (canonical_format_t): no kernels of its own to
+// compile, and its segments reach them unchanged.
 TEMPLATE_TEST_CASE("KVFormats<T, T> computes exactly what T does", "[attention][mixed]", half,
                    qint8, fp8_e4m3) {
+  static_assert(std::same_as<canonical_format_t<KVFormats<TestType, TestType>>, TestType>);
+  static_assert(std::same_as<canonical_format_t<KVFormats<half, qint8>>, KVFormats<half, qint8>>);
   using T = TestType;
   auto rng = test::make_rng("mixed formats same pair");
   const std::size_t dim = 64, kv_heads = 2, q_heads = 4, tokens = 130;

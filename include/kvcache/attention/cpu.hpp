@@ -65,9 +65,10 @@ struct Row {
   DType out_type = DType::f32;
 };
 
-/// Any view of format T (one format for K and V, or KVFormats<K, V>), its segments fetched
-/// through one function pointer, several at a time: the sweeps below are compiled once per format
-/// and kernel, however many view types a program attends over. One indirect call per batch of
+/// Any view of format T (one format for K and V, or KVFormats<K, V>; a view of KVFormats<T, T>
+/// is read as one of T, canonical_format_t), its segments fetched through one function pointer,
+/// several at a time: the sweeps below are compiled once per format and kernel, however many
+/// view types a program attends over. One indirect call per batch of
 /// segments (per 128 keys of a paged view of 16-token blocks) costs nothing next to their K/V
 /// reads. Valid while the wrapped view is.
 template <KVFormat T>
@@ -76,7 +77,7 @@ class ErasedView {
   using value_type = T;
 
   template <KVView V>
-  requires std::same_as<typename V::value_type, T>
+  requires std::same_as<canonical_format_t<typename V::value_type>, T>
   explicit ErasedView(const V& view) noexcept
       : view_(&view),
         fetch_(&fetch_from<V>),
@@ -112,7 +113,10 @@ class ErasedView {
   static void fetch_from(const void* view, std::size_t first, std::size_t n,
                          KVSegment<T>* out) noexcept {
     const auto& v = *static_cast<const V*>(view);
-    for (std::size_t j = 0; j < n; ++j) out[j] = v.segment(first + j);
+    for (std::size_t j = 0; j < n; ++j) {
+      const auto s = v.segment(first + j);  // a KVSegment of V's format: the same members
+      out[j] = {s.k, s.v, s.head_stride, s.first_pos, s.len, s.k_scale, s.v_scale};
+    }
   }
 
   const void* view_;
@@ -266,7 +270,7 @@ template <KVView V, Element Q, Element O>
 template <KVView V, Element Q, Element O>
 void run_tasks(Kernel kernel, std::span<const AttentionTask<V, Q, O>> tasks,
                std::span<const position_t> first_pos, const AttentionOptions& opts) {
-  using T = typename V::value_type;
+  using T = canonical_format_t<typename V::value_type>;
   const KVMask mask = kvcache::detail::mask_of(opts);
   std::size_t total_work = 0;  // K/V elements swept, to decide whether threads pay off
   for (const auto& t : tasks) {

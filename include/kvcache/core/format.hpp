@@ -29,7 +29,7 @@ using scale_type = bfloat16;
 /// or a quantized one): llama.cpp's --cache-type-k / --cache-type-v. Attention reads such K/V
 /// through any view whose value_type is KVFormats<K, V> (SegmentView over the caller's own
 /// storage): a quantized side's rows carry their scales, the other side's do not. KVFormats<T, T>
-/// reads the same as T.
+/// reads as T (canonical_format_t).
 template <KVElement K, KVElement V>
 struct KVFormats {
   using key_type = K;
@@ -63,6 +63,12 @@ template <KVFormat F>
 using key_format_t = typename detail::FormatSides<F>::key;
 template <KVFormat F>
 using value_format_t = typename detail::FormatSides<F>::value;
+
+/// The format F is read as: T for KVFormats<T, T> (the same rows as a view of T, so the same
+/// kernels), F otherwise.
+template <KVFormat F>
+using canonical_format_t =
+    std::conditional_t<std::same_as<key_format_t<F>, value_format_t<F>>, key_format_t<F>, F>;
 
 /// U is T, an element format (f32, f16 or bf16): rows of it are stored as they are.
 template <class U, class T>
