@@ -1,19 +1,22 @@
 // SPDX-License-Identifier: Apache-2.0
 // The layout descriptor (KVLayout), the views derived from it (LayoutView) and the mask (KVMask),
 // against plain definitions written out here: every row where the layout's definition puts it,
-// every present position in exactly one segment, segments contiguous in memory.
+// every present position in exactly one segment, segments contiguous in memory; and
+// SegmentView::push's checks of the segments a caller hands it.
 #include "kvcache/core/layout.hpp"
 
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kvcache/core/mask.hpp"
 #include "kvcache/core/view.hpp"
 #include "support/catch.hpp"
 #include "support/rng.hpp"
+#include "support/throws.hpp"
 
 using namespace kvcache;
 
@@ -242,4 +245,44 @@ TEST_CASE("KVMask::score takes a sink's precomputed score, every other key's own
   REQUIRE(mask.score(-1.0f, 1, 2, 1, 4) == -1.0f);  // past the sinks
   const KVMask plain{.window = 8, .sinks = 4};
   REQUIRE(plain.score(-1.0f, 0, 0, 0, 0) == -1.0f);
+}
+
+TEST_CASE("SegmentView::push takes segments in position order within the view, rejects the rest") {
+  using test::require_throws;
+  // 2 KV heads, head_dim 4; the view holds [0, 2) and [10, 20).
+  std::vector<half> k(2 * 32 * 4);
+  std::vector<qint8> codes(k.size());
+  std::vector<scale_type> scales(2 * 32);
+  using Pair = KVFormats<half, qint8>;
+  SegmentView<Pair, 3> view(2, 4, 20, 2, 10);
+  const auto seg = [&](position_t first, std::size_t len) {
+    return KVSegment<Pair>{k.data(), codes.data(), 32 * 4, first, len, nullptr, scales.data()};
+  };
+  view.push(seg(0, 2));
+  view.push(seg(15, 0));  // empty: skipped wherever it claims to be
+  // In the evicted gap [2, 10), across the sinks' end, across the gap's end, past the end.
+  const std::pair<position_t, std::size_t> outside[] = {{4, 2}, {1, 2}, {9, 3}, {15, 6}};
+  for (const auto& [first, len] : outside) {
+    INFO("segment at " << first << ", " << len << " positions");
+    require_throws<position_error>([&] { view.push(seg(first, len)); }, "segment 1",
+                                   "[0, 2) and [10, 20)");
+    REQUIRE(view.num_segments() == 1);
+  }
+  auto no_k = seg(10, 4);
+  no_k.k = nullptr;
+  require_throws<shape_error>([&] { view.push(no_k); }, "segment 1 (positions [10, 14))",
+                              "no K rows");
+  auto no_v_scales = seg(10, 4);
+  no_v_scales.v_scale = nullptr;  // int8 values need their scales; half keys need none
+  require_throws<shape_error>([&] { view.push(no_v_scales); },
+                              "quantized V rows (int8) but no row scales");
+  REQUIRE(view.num_segments() == 1);
+  view.push(seg(10, 4));
+  require_throws<position_error>([&] { view.push(seg(12, 3)); }, "ends at 14");  // overlaps
+  view.push(seg(14, 6));
+  REQUIRE(view.num_segments() == 3);
+  require_throws<capacity_error>([&] { view.push(seg(0, 1)); }, "the view's 3 segments");
+  REQUIRE(view.num_segments() == 3);
+  REQUIRE(view.segment(2).first_pos == 14);
+  REQUIRE(view.segment(2).len == 6);
 }

@@ -167,9 +167,46 @@ class SegmentView {
         sink_end_(sink_end),
         recent_begin_(recent_begin) {}
 
-  /// Appends a segment; empty segments are skipped. @pre fewer than N segments so far.
-  void push(const KVSegment<T>& s) noexcept {
-    if (s.len != 0) segments_[num_segments_++] = s;
+  /// Appends a segment; empty segments are skipped. Segments go in position order, each within
+  /// the positions the view holds, [0, sink_end) or [recent_begin, length).
+  /// @throws capacity_error when the view holds N segments already; shape_error when the segment
+  ///         has no K or V rows, or a quantized side (per the format) no row scales;
+  ///         position_error when it starts before the previous segment ends or holds a position
+  ///         the view does not. The view is unchanged on throw.
+  void push(const KVSegment<T>& s) {
+    if (s.len == 0) return;
+    const auto first = s.first_pos;
+    const auto end = first + static_cast<position_t>(s.len);
+    const auto where = [&] {
+      return detail::message("SegmentView: segment ", num_segments_, " (positions [", first, ", ",
+                             end, "))");
+    };
+    if (num_segments_ == N) {
+      throw capacity_error(detail::message(where(), " exceeds the view's ", N, " segments"));
+    }
+    if (s.k == nullptr || s.v == nullptr) {
+      throw shape_error(detail::message(where(), " has no ", s.k == nullptr ? "K" : "V", " rows"));
+    }
+    const bool k_unscaled = scaled_v<key_format_t<T>> && s.k_scale == nullptr;
+    const bool v_unscaled = scaled_v<value_format_t<T>> && s.v_scale == nullptr;
+    if (k_unscaled || v_unscaled) {
+      throw shape_error(detail::message(
+          where(), " has quantized ", k_unscaled ? "K" : "V", " rows (",
+          dtype_name(k_unscaled ? dtype_of<key_format_t<T>> : dtype_of<value_format_t<T>>),
+          ") but no row scales"));
+    }
+    const position_t previous_end =
+        num_segments_ == 0 ? 0
+                           : segments_[num_segments_ - 1].first_pos +
+                                 static_cast<position_t>(segments_[num_segments_ - 1].len);
+    const bool held = end <= sink_end_ || (first >= recent_begin_ && end <= length_);
+    if (first < previous_end || !held) {
+      throw position_error(
+          detail::message(where(), " does not follow the previous segment (which ends at ",
+                          previous_end, ") within the positions the view holds, [0, ", sink_end_,
+                          ") and [", recent_begin_, ", ", length_, ")"));
+    }
+    segments_[num_segments_++] = s;
   }
 
   [[nodiscard]] std::size_t num_kv_heads() const noexcept { return num_kv_heads_; }
