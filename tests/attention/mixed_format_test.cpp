@@ -2,9 +2,9 @@
 // Attention over keys and values stored in different formats (KVFormats<K, V>), read through a
 // SegmentView or a LayoutView over the caller's own storage: every CPU kernel equals the
 // reference over the same rows, whether the rows sit in one segment, in paged blocks or in a
-// ring; KVFormats<T, T> computes exactly what T does; an inf or NaN on either side reaches
-// exactly the queries that see it; and the error against fp32 attention is stated for each pair
-// the kernels are compiled for.
+// ring, with absolute or cache-relative positions; KVFormats<T, T> computes exactly what T does; an
+// inf or NaN on either side reaches exactly the queries that see it; and the error against fp32
+// attention is stated for each pair the kernels are compiled for.
 #include <algorithm>
 #include <cmath>
 #include <concepts>
@@ -160,6 +160,13 @@ TEMPLATE_TEST_CASE("K and V in different formats: every kernel equals the refere
                             tol);
         test::require_close(test::attend_fast(q, n, q_heads, ring, windowed, kernel),
                             test::attend_slow(q, n, q_heads, ring, windowed), tol);
+        // Cache-relative positions: the sinks are scored from q turned back, over the K side.
+        const Rope rope({}, dim);
+        AttentionOptions relative = windowed;
+        relative.positions = PositionMode::cache_relative;
+        relative.rope = &rope;
+        test::require_close(test::attend_fast(q, n, q_heads, ring, relative, kernel),
+                            test::attend_slow(q, n, q_heads, ring, relative), tol);
         // Paged or not, the same rows take the same slots of each tile: the same bits.
         REQUIRE(test::same_bits(test::attend_fast(q, n, q_heads, paged, windowed, kernel),
                                 test::attend_fast(q, n, q_heads, flat, windowed, kernel)));
