@@ -34,7 +34,8 @@ test_cxx=("${cxx[@]}" -O2 -Itests -I"$out/include" -DKVCACHE_CATCH2_MAJOR=2 -Wal
 kernels=$!
 [ -f "$out/catch_main.o" ] || "${test_cxx[@]}" -c "$out/catch_main.cpp" -o "$out/catch_main.o"
 wait "$kernels"
-tests=(attention_test quantized_attention_test nonfinite_test batch_invariance_test)
+tests=(attention_test quantized_attention_test mixed_format_test nonfinite_test
+       batch_invariance_test)
 # Two compilers at a time: each test is one translation unit.
 printf '%s\n' "${tests[@]}" | xargs -P 2 -I{} \
   "${test_cxx[@]}" -DKVCACHE_EXTERN_KERNELS tests/attention/{}.cpp "$out/kernels.o" \
@@ -54,12 +55,12 @@ run_test() {
   fi
 }
 # Two runs side by side: attention_test's NEON cases (its portable and x86 cases run natively in
-# the test preset, and its reference in double is slow under emulation), and the other three
-# whole (each runs every kernel the build has: portable and NEON).
+# the test preset, and its reference in double is slow under emulation), and the others whole
+# (each runs every kernel the build has: portable and NEON; mixed_format_test each K/V pair).
 run_test attention_test '[neon]' &
 first=$!
 rest=0
-for t in quantized_attention_test nonfinite_test batch_invariance_test; do
+for t in quantized_attention_test mixed_format_test nonfinite_test batch_invariance_test; do
   run_test "$t" || rest=1
 done
 wait "$first"
