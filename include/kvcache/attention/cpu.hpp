@@ -68,9 +68,9 @@ struct Row {
 /// Any view of format T (one format for K and V, or KVFormats<K, V>; a view of KVFormats<T, T>
 /// is read as one of T, canonical_format_t), its segments fetched through one function pointer,
 /// several at a time: the sweeps below are compiled once per format and kernel, however many
-/// view types a program attends over. One indirect call per batch of
-/// segments (per 128 keys of a paged view of 16-token blocks) costs nothing next to their K/V
-/// reads. Valid while the wrapped view is.
+/// view types a program attends over. One indirect call per batch of segments (per 128 keys of a
+/// paged view of 16-token blocks) costs nothing next to their K/V reads. Valid while the wrapped
+/// view is.
 template <KVFormat T>
 class ErasedView {
  public:
