@@ -88,6 +88,11 @@ concept AppendRows = FloatRows<U> || SameElement<std::remove_const_t<U>, T>;
 template <KVElement T>
 inline constexpr bool scaled_v = QuantizedElement<T>;
 
+/// True when rows of format F carry scales on either side: int8, fp8, or a KVFormats pair with a
+/// quantized side (LayerRestore<F> then holds scales).
+template <KVFormat F>
+inline constexpr bool has_row_scales_v = scaled_v<key_format_t<F>> || scaled_v<value_format_t<F>>;
+
 /// The largest code magnitude of a quantized format: 127 for int8 (symmetric), 448 for fp8.
 template <QuantizedElement T>
 inline constexpr float code_max = std::same_as<T, qint8> ? 127.0f : fp8_e4m3::max_finite;

@@ -21,8 +21,10 @@ namespace kvcache {
 /// What one (layer, sequence) holds, as its view reports it, plus the K/V of those positions.
 /// Produced by the snapshot loader (kvcache/io/snapshot.hpp) and consumed by a policy's
 /// `restore(std::span<const LayerRestore<T>>)`. After a restore, view(layer, seq) reports exactly
-/// length, sink_end and recent_begin, and holds these K/V rows at those positions.
-template <KVElement T>
+/// length, sink_end and recent_begin, and holds these K/V rows at those positions. F is the format
+/// of the rows: one element type (what the policies' restore() take: each stores one format), or
+/// KVFormats<K, V>, K rows of K and V rows of V, which the row-moving helpers below take too.
+template <KVFormat F>
 struct LayerRestore {
   std::size_t layer = 0;
   std::size_t seq = 0;
@@ -34,8 +36,8 @@ struct LayerRestore {
   position_t recent_begin = 0;
   /// K and V of the held positions in increasing position order, each packed head-major
   /// [num_kv_heads][held][head_dim], held = sink_end + (length - recent_begin).
-  std::span<const T> k;
-  std::span<const T> v;
+  std::span<const key_format_t<F>> k;
+  std::span<const value_format_t<F>> v;
 
   /// Positions held: sink_end + (length - recent_begin). @pre the fields are consistent.
   [[nodiscard]] constexpr std::size_t held() const noexcept {
@@ -43,17 +45,19 @@ struct LayerRestore {
   }
 };
 
-/// LayerRestore of a quantized format (int8, fp8): the same fields, then the rows' scales, packed
-/// as the rows, [num_kv_heads][held] each.
-template <QuantizedElement T>
-struct LayerRestore<T> {
+/// LayerRestore of a format whose rows carry scales (int8, fp8, or a pair with a quantized side):
+/// the same fields, then the rows' scales, packed as the rows, [num_kv_heads][held] each: k_scale
+/// when K is quantized, v_scale when V is; a side that is not quantized leaves its span empty.
+template <KVFormat F>
+requires has_row_scales_v<F>
+struct LayerRestore<F> {
   std::size_t layer = 0;
   std::size_t seq = 0;
   position_t length = 0;
   position_t sink_end = 0;
   position_t recent_begin = 0;
-  std::span<const T> k;  ///< codes
-  std::span<const T> v;
+  std::span<const key_format_t<F>> k;  ///< codes, or elements of an unquantized K
+  std::span<const value_format_t<F>> v;
   std::span<const scale_type> k_scale;
   std::span<const scale_type> v_scale;
 
@@ -82,7 +86,7 @@ namespace detail {
 /// 0 <= sink_end <= recent_begin <= length, and K/V spans sized for held() positions.
 /// @throws layer_error, batch_error, position_error, shape_error naming entry `i`.
 /// O(entries + num_layers * max_batch).
-template <KVElement T>
+template <KVFormat T>
 void check_restore_entries(const char* cache, std::span<const LayerRestore<T>> entries,
                            const CacheShape& shape, std::size_t max_batch) {
   std::vector<std::size_t> first_entry;  // [layer][seq] -> index + 1 of the entry naming it
@@ -117,12 +121,24 @@ void check_restore_entries(const char* cache, std::span<const LayerRestore<T>> e
           cache, ": restore entry ", i, " holds ", held, " positions, so K and V need ", held,
           " x ", row, " elements each, but got ", e.k.size(), " and ", e.v.size()));
     }
-    if constexpr (scaled_v<T>) {
+    if constexpr (QuantizedElement<T>) {  // one format: K and V scales alike
       const std::size_t scales = held * shape.num_kv_heads;
       if (e.k_scale.size() != scales || e.v_scale.size() != scales) {
         throw shape_error(detail::message(
             cache, ": restore entry ", i, " of ", dtype_name(shape.dtype), " rows needs ", scales,
             " K and V scales, but got ", e.k_scale.size(), " and ", e.v_scale.size()));
+      }
+    } else if constexpr (has_row_scales_v<T>) {  // a pair: each side's own
+      using K = key_format_t<T>;
+      using V = value_format_t<T>;
+      const std::size_t k_scales = scaled_v<K> ? held * shape.num_kv_heads : 0;
+      const std::size_t v_scales = scaled_v<V> ? held * shape.num_kv_heads : 0;
+      if (e.k_scale.size() != k_scales || e.v_scale.size() != v_scales) {
+        throw shape_error(detail::message(
+            cache, ": restore entry ", i, " of K ", dtype_name(dtype_of<K>), " and V ",
+            dtype_name(dtype_of<V>), " rows needs ", k_scales, " K and ", v_scales,
+            " V scales (one per row of a quantized side, none otherwise), but got ",
+            e.k_scale.size(), " and ", e.v_scale.size()));
       }
     }
   }
@@ -131,7 +147,7 @@ void check_restore_entries(const char* cache, std::span<const LayerRestore<T>> e
 /// restore() checks of a cache that holds every position of a sequence up to `max_len` (a
 /// static or contiguous cache): no entry drops positions, none is longer than max_len.
 /// @throws position_error, capacity_error naming entry `i`.
-template <KVElement T>
+template <KVFormat T>
 void check_whole_restore(const char* cache, std::span<const LayerRestore<T>> entries,
                          std::size_t max_len) {
   for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -153,7 +169,7 @@ void check_whole_restore(const char* cache, std::span<const LayerRestore<T>> ent
 /// positions (window + max_append_len - 1): each entry is a state such a window can be in, the
 /// sinks whole ([0, min(length, num_sinks))), the rest at most ring_len positions past them.
 /// @throws position_error, capacity_error naming entry `i`.
-template <KVElement T>
+template <KVFormat T>
 void check_window_restore(const char* cache, std::span<const LayerRestore<T>> entries,
                           std::size_t num_sinks, std::size_t window, std::size_t max_append_len) {
   const auto sinks = static_cast<position_t>(num_sinks);
@@ -190,23 +206,28 @@ void copy_packed_rows(T* dst, std::size_t heads, std::size_t row_len, std::size_
   }
 }
 
-/// copy_packed_rows() of K and V, and of their scales for a quantized format: positions
+/// copy_packed_rows() of K and V, and of the scales of a quantized side: positions
 /// [src_first, src_first + n) of entry `e` into the rows from `k` and `v` (heads head_stride
-/// elements apart, starting at slot dst_slot) and their scales from `k_scale` and `v_scale` (heads
-/// head_stride / head_dim apart; unused for f32/f16/bf16).
-template <KVElement T>
-void restore_rows(T* k, T* v, scale_type* k_scale, scale_type* v_scale, std::size_t head_stride,
-                  std::size_t dst_slot, const LayerRestore<T>& e, std::size_t src_first,
-                  std::size_t n, const CacheShape& shape) noexcept {
+/// elements apart, starting at slot dst_slot) and the scales into `k_scale` (K quantized) and
+/// `v_scale` (V quantized), heads head_stride / head_dim apart; a side's scale pointer is unused
+/// (may be null) when that side is not quantized.
+template <KVFormat F>
+void restore_rows(key_format_t<F>* k, value_format_t<F>* v, scale_type* k_scale,
+                  scale_type* v_scale, std::size_t head_stride, std::size_t dst_slot,
+                  const LayerRestore<F>& e, std::size_t src_first, std::size_t n,
+                  const CacheShape& shape) noexcept {
   const std::size_t held = e.held(), heads = shape.num_kv_heads, d = shape.head_dim;
+  const std::size_t stride = head_stride / d;
   copy_packed_rows(k, heads, d, head_stride, dst_slot, e.k.data(), held, src_first, n);
   copy_packed_rows(v, heads, d, head_stride, dst_slot, e.v.data(), held, src_first, n);
-  if constexpr (scaled_v<T>) {
-    const std::size_t stride = head_stride / d;
+  if constexpr (scaled_v<key_format_t<F>>) {
     copy_packed_rows(k_scale, heads, 1, stride, dst_slot, e.k_scale.data(), held, src_first, n);
-    copy_packed_rows(v_scale, heads, 1, stride, dst_slot, e.v_scale.data(), held, src_first, n);
   } else {
     (void)k_scale;
+  }
+  if constexpr (scaled_v<value_format_t<F>>) {
+    copy_packed_rows(v_scale, heads, 1, stride, dst_slot, e.v_scale.data(), held, src_first, n);
+  } else {
     (void)v_scale;
   }
 }
@@ -220,51 +241,51 @@ void restore_rows(RowBuffer<T>& storage, std::size_t k_at, std::size_t v_at,
                storage.scale_at(v_at), head_stride, dst_slot, e, src_first, n, shape);
 }
 
-/// Writes the positions [index * block_size, (index + 1) * block_size) that `e` holds into
-/// `block`, a paged block [K, V][num_kv_heads][block_size][head_dim], and for a quantized format
-/// their scales into `scales`, the block's [K, V][num_kv_heads][block_size] (null otherwise):
-/// block `index` of a sequence restored from e. @pre e holds every position (sink_end ==
-/// recent_begin == 0).
-template <KVElement T>
-void fill_packed_block(T* block, scale_type* scales, std::size_t block_size,
-                       const CacheShape& shape, const LayerRestore<T>& e,
-                       std::size_t index) noexcept {
+/// Writes the positions [index * block_size, (index + 1) * block_size) that `e` holds into one
+/// paged block: its K rows from `k` and V rows from `v`, each [num_kv_heads][block_size]
+/// [head_dim], and the scales of a quantized side into `k_scale` / `v_scale`, each
+/// [num_kv_heads][block_size] (unused, may be null, for a side that is not quantized): block
+/// `index` of a sequence restored from e. A single-format block [K, V][num_kv_heads][block_size]
+/// [head_dim] passes its start and the start of its V half (its scales likewise). @pre e holds
+/// every position (sink_end == recent_begin == 0).
+template <KVFormat F>
+void fill_packed_block(key_format_t<F>* k, value_format_t<F>* v, scale_type* k_scale,
+                       scale_type* v_scale, std::size_t block_size, const CacheShape& shape,
+                       const LayerRestore<F>& e, std::size_t index) noexcept {
   const std::size_t n = e.held(), first = index * block_size;
   if (first >= n) return;
-  const std::size_t head_elems = block_size * shape.head_dim,
-                    v_rows = shape.num_kv_heads * block_size;
-  restore_rows(block, block + v_rows * shape.head_dim, scales,
-               scales != nullptr ? scales + v_rows : nullptr, head_elems, 0, e, first,
+  restore_rows(k, v, k_scale, v_scale, block_size * shape.head_dim, 0, e, first,
                std::min(block_size, n - first), shape);
 }
 
 /// The rows `view` holds, packed as a LayerRestore holds them: k and v [num_kv_heads][held]
 /// [head_dim], held = view_num_tokens(view), positions in view order (sinks, then the recent
-/// ones); for a quantized format also the rows' scales into k_scale and v_scale, packed
-/// [num_kv_heads][held] (unused, may be null, otherwise). @pre each output holds as many
-/// elements as that.
-template <KVView V, KVElement T = typename V::value_type>
-void pack_view_rows(const V& view, T* k, T* v, scale_type* k_scale = nullptr,
-                    scale_type* v_scale = nullptr) noexcept {
+/// ones); the scales of a quantized side into k_scale (K) or v_scale (V), packed
+/// [num_kv_heads][held] (unused, may be null, for a side that is not quantized). F is the view's
+/// format (a pair packs each side in its own format). @pre each output holds as many elements as
+/// that.
+template <KVView View, KVFormat F = typename View::value_type>
+void pack_view_rows(const View& view, key_format_t<F>* k, value_format_t<F>* v,
+                    scale_type* k_scale = nullptr, scale_type* v_scale = nullptr) noexcept {
+  constexpr bool k_scaled = scaled_v<key_format_t<F>>, v_scaled = scaled_v<value_format_t<F>>;
   const std::size_t held = view_num_tokens(view), d = view.head_dim();
   std::size_t row = 0;  // packed index of the segment's first position
   for (std::size_t i = 0; i < view.num_segments(); ++i) {
-    const KVSegment<T> seg = view.segment(i);
+    const KVSegment<F> seg = view.segment(i);
     for (std::size_t h = 0; h < view.num_kv_heads(); ++h) {
       std::copy_n(seg.k + h * seg.head_stride, seg.len * d, k + (h * held + row) * d);
       std::copy_n(seg.v + h * seg.head_stride, seg.len * d, v + (h * held + row) * d);
-      if constexpr (scaled_v<T>) {
-        const std::size_t at = h * seg.head_stride / d;
-        std::copy_n(seg.k_scale + at, seg.len, k_scale + h * held + row);
-        std::copy_n(seg.v_scale + at, seg.len, v_scale + h * held + row);
+      if constexpr (k_scaled) {
+        std::copy_n(seg.k_scale + h * seg.head_stride / d, seg.len, k_scale + h * held + row);
+      }
+      if constexpr (v_scaled) {
+        std::copy_n(seg.v_scale + h * seg.head_stride / d, seg.len, v_scale + h * held + row);
       }
     }
     row += seg.len;
   }
-  if constexpr (!scaled_v<T>) {
-    (void)k_scale;
-    (void)v_scale;
-  }
+  if constexpr (!k_scaled) (void)k_scale;
+  if constexpr (!v_scaled) (void)v_scale;
 }
 
 }  // namespace detail

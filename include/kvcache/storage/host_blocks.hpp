@@ -93,9 +93,9 @@ class HostBlocks {
   /// block `index` of a sequence restored from `e` (whose K/V is packed, PagedCache holding
   /// every position). @pre e.sink_end == e.recent_begin == 0.
   void fill_block(const LayerRestore<T>& e, std::size_t index, block_id b) noexcept {
-    const std::size_t at = offset(e.layer, b);
-    detail::fill_packed_block(storage_.data() + at, storage_.scale_at(at), block_size_, shape_, e,
-                              index);
+    const std::size_t at = offset(e.layer, b), v_at = at + block_elems_ / 2;  // [K, V] halves
+    detail::fill_packed_block(storage_.data() + at, storage_.data() + v_at, storage_.scale_at(at),
+                              storage_.scale_at(v_at), block_size_, shape_, e, index);
   }
 
  private:
