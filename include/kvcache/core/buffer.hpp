@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // AlignedBuffer: the RAII owner of every K/V storage array, aligned to kStorageAlignment (64 B),
 // large ones to 2 MiB and advised to the kernel as transparent-huge-page candidates. RowBuffer:
-// K/V rows of one storage format, with their scales when the format has them.
+// K/V rows of one storage format, with their scales when the format has them. KVRows: a cache's K
+// and V rows, in slabs, of one format or a K/V pair.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <new>
 #include <type_traits>
@@ -12,6 +14,7 @@
 
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/format.hpp"
+#include "kvcache/core/layout.hpp"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -111,6 +114,9 @@ class RowBuffer {
   [[nodiscard]] scale_type* scale_at(std::size_t offset) noexcept {
     return scaled_v<T> ? scales_.data() + offset / head_dim_ : nullptr;
   }
+  [[nodiscard]] const scale_type* scale_at(std::size_t offset) const noexcept {
+    return scaled_v<T> ? scales_.data() + offset / head_dim_ : nullptr;
+  }
   /// Elements (codes) held, rows x head_dim.
   [[nodiscard]] std::size_t size() const noexcept { return codes_.size(); }
   /// Bytes of rows and scales.
@@ -120,6 +126,85 @@ class RowBuffer {
   AlignedBuffer<T> codes_;
   AlignedBuffer<scale_type> scales_;
   std::size_t head_dim_ = 1;
+};
+
+/// The K and V rows of a cache in format F (one element type, or KVFormats<K, V>), as
+/// `num_slabs` slabs of `slab_rows` rows a side (a slab: one sequence of one layer, or one block
+/// of one layer), each side's slabs laid out alike: the V row of the K row at element offset `at`
+/// is v(at), and slab i's first K row is at i * slab_stride(). One format keeps both sides in one
+/// allocation, each slab its K rows then its V rows ([K, V]: the layout PagedCache::layer_data()
+/// exposes); a pair of formats keeps a K allocation and a V allocation. Row scales of a quantized
+/// side sit beside its rows (RowBuffer). Move-only.
+template <KVFormat F>
+class KVRows {
+ public:
+  using key_type = key_format_t<F>;
+  using value_type = value_format_t<F>;
+
+  KVRows() noexcept = default;
+  /// @throws capacity_error if the size overflows, std::bad_alloc. @pre head_dim >= 1.
+  KVRows(std::size_t num_slabs, std::size_t slab_rows, std::size_t head_dim)
+      : v_offset_(kOneFormat ? detail::checked_mul(slab_rows, head_dim, "KVRows") : 0),
+        slab_stride_(
+            detail::checked_mul(kOneFormat ? 2 * slab_rows : slab_rows, head_dim, "KVRows")) {
+    const std::size_t rows = detail::checked_mul(num_slabs, slab_rows, "KVRows");
+    k_ = RowBuffer<key_type>(kOneFormat ? detail::checked_mul(rows, 2, "KVRows") : rows, head_dim);
+    if constexpr (!kOneFormat) v_ = RowBuffer<value_type>(rows, head_dim);
+  }
+
+  /// Elements from one slab's first row to the next slab's (the same on both sides).
+  [[nodiscard]] std::size_t slab_stride() const noexcept { return slab_stride_; }
+
+  /// The K row at element offset `at` (a multiple of head_dim) and those after it.
+  [[nodiscard]] key_type* k(std::size_t at) noexcept { return k_.data() + at; }
+  [[nodiscard]] const key_type* k(std::size_t at) const noexcept { return k_.data() + at; }
+  /// The V row of the K row at `at`.
+  [[nodiscard]] value_type* v(std::size_t at) noexcept {
+    if constexpr (kOneFormat) {
+      return k_.data() + at + v_offset_;
+    } else {
+      return v_.data() + at;
+    }
+  }
+  [[nodiscard]] const value_type* v(std::size_t at) const noexcept {
+    if constexpr (kOneFormat) {
+      return k_.data() + at + v_offset_;
+    } else {
+      return v_.data() + at;
+    }
+  }
+  /// The scale of the K row at `at` (and those after it); null when K is not quantized.
+  [[nodiscard]] scale_type* k_scale(std::size_t at) noexcept { return k_.scale_at(at); }
+  [[nodiscard]] const scale_type* k_scale(std::size_t at) const noexcept { return k_.scale_at(at); }
+  /// The scale of the V row of the K row at `at`; null when V is not quantized.
+  [[nodiscard]] scale_type* v_scale(std::size_t at) noexcept {
+    if constexpr (kOneFormat) {
+      return k_.scale_at(at + v_offset_);
+    } else {
+      return v_.scale_at(at);
+    }
+  }
+  [[nodiscard]] const scale_type* v_scale(std::size_t at) const noexcept {
+    if constexpr (kOneFormat) {
+      return k_.scale_at(at + v_offset_);
+    } else {
+      return v_.scale_at(at);
+    }
+  }
+  /// Every pointer a layout needs from the slab whose first K row is at `at`.
+  [[nodiscard]] KVBases<F> bases(std::size_t at) const noexcept {
+    return {k(at), v(at), k_scale(at), v_scale(at), static_cast<std::int64_t>(slab_stride_)};
+  }
+  /// Bytes of rows and scales, both sides.
+  [[nodiscard]] std::size_t bytes() const noexcept { return k_.bytes() + v_.bytes(); }
+
+ private:
+  static constexpr bool kOneFormat = std::is_same_v<key_type, value_type>;
+
+  RowBuffer<key_type> k_;    // one format: both sides
+  RowBuffer<value_type> v_;  // a pair: the V side; one format: empty
+  std::size_t v_offset_ = 0;
+  std::size_t slab_stride_ = 0;
 };
 
 }  // namespace kvcache

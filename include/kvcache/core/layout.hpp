@@ -134,26 +134,39 @@ struct KVLayout {
   }
 };
 
-/// The layout of K/V kept as one slab per sequence, [seq][K, V][kv_head][slots][head_dim]
-/// (StaticCache, SlidingWindowCache, DeviceCache's contiguous and ring layouts): contiguous when
-/// ring_len == 0, else num_sinks sink slots then a ring of ring_len (slots = their sum). The
-/// per-sequence arrays are left null. `scales`: quantized formats' row scales, laid out as the rows
-/// (one per row, the first for the row at `base`); null for f32/f16/bf16.
-template <KVElement T>
-[[nodiscard]] constexpr KVLayout<T> slab_layout(const T* base, int num_seqs, int num_kv_heads,
-                                                int head_dim, std::int64_t slots, int num_sinks = 0,
-                                                int ring_len = 0,
-                                                const scale_type* scales = nullptr) noexcept {
-  KVLayout<T> out;
-  out.k = base;
-  out.k_scale = scales;
-  if (scales != nullptr) out.v_scale = scales + num_kv_heads * slots;
+/// Where one layer's K and V rows start, in storage made of slabs (one per sequence, or one per
+/// block) whose K rows and V rows are laid out alike: the V row of the K row at element offset o
+/// from k is at o from v, and each side's slabs are slab_stride elements apart. k_scale / v_scale:
+/// the row scales of a quantized side, indexed as its rows (the scale of the row at o is
+/// k_scale[o / head_dim]); null for a side in f32/f16/bf16. KVRows::bases() (core/buffer.hpp)
+/// gives them for the host caches' storage.
+template <KVFormat F>
+struct KVBases {
+  const key_format_t<F>* k = nullptr;
+  const value_format_t<F>* v = nullptr;
+  const scale_type* k_scale = nullptr;
+  const scale_type* v_scale = nullptr;
+  std::int64_t slab_stride = 0;
+};
+
+/// The layout of K/V kept as one slab per sequence, [seq][kv_head][slots][head_dim] on each side
+/// (StaticCache, SlidingWindowCache, DeviceCache's contiguous and ring layouts), from `at`, the
+/// bases of sequence 0: contiguous when ring_len == 0, else num_sinks sink slots then a ring of
+/// ring_len (slots = their sum). The per-sequence arrays are left null.
+template <KVFormat F>
+[[nodiscard]] constexpr KVLayout<F> slab_layout(const KVBases<F>& at, int num_seqs,
+                                                int num_kv_heads, int head_dim, std::int64_t slots,
+                                                int num_sinks = 0, int ring_len = 0) noexcept {
+  KVLayout<F> out;
+  out.k = at.k;
+  out.v = at.v;
+  out.k_scale = at.k_scale;
+  out.v_scale = at.v_scale;
   out.num_seqs = num_seqs;
   out.num_kv_heads = num_kv_heads;
   out.head_dim = head_dim;
   out.head_stride = slots * head_dim;
-  out.v = base + num_kv_heads * out.head_stride;
-  out.seq_stride = 2 * num_kv_heads * out.head_stride;
+  out.seq_stride = at.slab_stride;
   if (ring_len > 0) {
     out.layout = LayoutKind::ring;
     out.num_sinks = num_sinks;
@@ -162,9 +175,58 @@ template <KVElement T>
   return out;
 }
 
-/// The layout of a block pool, one allocation per layer of blocks [K, V][kv_head][block_size]
-/// [head_dim], `block_stride` elements apart (PagedCache, DeviceCache's paged layout), read
-/// through `table`, [num_seqs][max_blocks] block ids. The per-sequence arrays are left null.
+/// The bases of one format's K and V in one allocation whose slabs are [K, V][kv_head]
+/// [slot_rows / num_kv_heads][head_dim] (each slab its K rows, then as many V rows), from `base`;
+/// `scales` (a quantized format's, laid out as the rows) or null.
+template <KVElement T>
+[[nodiscard]] constexpr KVBases<T> interleaved_bases(const T* base, std::int64_t slab_rows,
+                                                     int head_dim,
+                                                     const scale_type* scales) noexcept {
+  const std::int64_t half = slab_rows * head_dim;
+  return {base, base + half, scales, scales != nullptr ? scales + slab_rows : nullptr, 2 * half};
+}
+
+/// slab_layout() of one format's slabs [seq][K, V][kv_head][slots][head_dim] from `base` (K then V
+/// in each sequence's slab: StaticCache's and SlidingWindowCache's layout for one format,
+/// DeviceCache's contiguous and ring layouts). `scales`: a quantized format's row scales, laid
+/// out as the rows (one per row, the first for the row at `base`); null for f32/f16/bf16.
+template <KVElement T>
+[[nodiscard]] constexpr KVLayout<T> slab_layout(const T* base, int num_seqs, int num_kv_heads,
+                                                int head_dim, std::int64_t slots, int num_sinks = 0,
+                                                int ring_len = 0,
+                                                const scale_type* scales = nullptr) noexcept {
+  return slab_layout(interleaved_bases(base, num_kv_heads * slots, head_dim, scales), num_seqs,
+                     num_kv_heads, head_dim, slots, num_sinks, ring_len);
+}
+
+/// The layout of a block pool, [block][kv_head][block_size][head_dim] on each side with blocks
+/// at.slab_stride elements apart (PagedCache, DeviceCache's paged layout), from `at`, the bases of
+/// block 0, read through `table`, [num_seqs][max_blocks] block ids. The per-sequence arrays are
+/// left null.
+template <KVFormat F>
+[[nodiscard]] constexpr KVLayout<F> paged_layout(const KVBases<F>& at, int num_kv_heads,
+                                                 int head_dim, int block_size,
+                                                 const block_id* table, int num_seqs,
+                                                 int max_blocks) noexcept {
+  KVLayout<F> out;
+  out.k = at.k;
+  out.v = at.v;
+  out.k_scale = at.k_scale;
+  out.v_scale = at.v_scale;
+  out.num_seqs = num_seqs;
+  out.num_kv_heads = num_kv_heads;
+  out.head_dim = head_dim;
+  out.layout = LayoutKind::paged;
+  out.block_size = block_size;
+  out.head_stride = static_cast<std::int64_t>(block_size) * head_dim;
+  out.block_stride = at.slab_stride;
+  out.block_table = table;
+  out.max_blocks = max_blocks;
+  return out;
+}
+
+/// paged_layout() of one format's pool, one allocation per layer of blocks [K, V][kv_head]
+/// [block_size][head_dim], `block_stride` elements apart (>= the block's K and V), from `base`.
 /// `scales`: a quantized format's row scales laid out as the rows; null for f32/f16/bf16.
 template <KVElement T>
 [[nodiscard]] constexpr KVLayout<T> paged_layout(const T* base, int num_kv_heads, int head_dim,
@@ -172,21 +234,10 @@ template <KVElement T>
                                                  const block_id* table, int num_seqs,
                                                  int max_blocks,
                                                  const scale_type* scales = nullptr) noexcept {
-  KVLayout<T> out;
-  out.k = base;
-  out.k_scale = scales;
-  if (scales != nullptr) out.v_scale = scales + num_kv_heads * block_size;
-  out.num_seqs = num_seqs;
-  out.num_kv_heads = num_kv_heads;
-  out.head_dim = head_dim;
-  out.layout = LayoutKind::paged;
-  out.block_size = block_size;
-  out.head_stride = static_cast<std::int64_t>(block_size) * head_dim;
-  out.v = base + num_kv_heads * out.head_stride;
-  out.block_stride = block_stride;
-  out.block_table = table;
-  out.max_blocks = max_blocks;
-  return out;
+  KVBases<T> at = interleaved_bases(base, static_cast<std::int64_t>(num_kv_heads) * block_size,
+                                    head_dim, scales);
+  at.slab_stride = block_stride;
+  return paged_layout(at, num_kv_heads, head_dim, block_size, table, num_seqs, max_blocks);
 }
 
 static_assert(std::is_trivially_copyable_v<KVLayout<float>>);

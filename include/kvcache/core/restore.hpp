@@ -232,13 +232,13 @@ void restore_rows(key_format_t<F>* k, value_format_t<F>* v, scale_type* k_scale,
   }
 }
 
-/// restore_rows() into a RowBuffer, K rows from element offset k_at and V rows from v_at.
-template <KVElement T>
-void restore_rows(RowBuffer<T>& storage, std::size_t k_at, std::size_t v_at,
-                  std::size_t head_stride, std::size_t dst_slot, const LayerRestore<T>& e,
-                  std::size_t src_first, std::size_t n, const CacheShape& shape) noexcept {
-  restore_rows(storage.data() + k_at, storage.data() + v_at, storage.scale_at(k_at),
-               storage.scale_at(v_at), head_stride, dst_slot, e, src_first, n, shape);
+/// restore_rows() into a cache's KVRows, rows from the slab offset `at` (K and V alike).
+template <KVFormat F>
+void restore_rows(KVRows<F>& storage, std::size_t at, std::size_t head_stride, std::size_t dst_slot,
+                  const LayerRestore<F>& e, std::size_t src_first, std::size_t n,
+                  const CacheShape& shape) noexcept {
+  restore_rows(storage.k(at), storage.v(at), storage.k_scale(at), storage.v_scale(at), head_stride,
+               dst_slot, e, src_first, n, shape);
 }
 
 /// Writes the positions [index * block_size, (index + 1) * block_size) that `e` holds into one

@@ -227,16 +227,16 @@ class SegmentView {
   position_t recent_begin_ = 0;
 };
 
-/// A view over equally sized chunks, each one allocation laid out as
-/// K [num_kv_heads][chunk_len][head_dim] followed by V of the same shape: DynamicCache's view.
-/// Chunk i holds positions [i * chunk_len, (i + 1) * chunk_len) clipped to length.
-template <KVElement T>
+/// A view over equally sized chunks, each a KVRows<F> of one slab holding K [num_kv_heads]
+/// [chunk_len][head_dim] and V of the same shape: DynamicCache's view. Chunk i holds positions
+/// [i * chunk_len, (i + 1) * chunk_len) clipped to length.
+template <KVFormat F>
 class ChunkedView {
  public:
-  using value_type = T;
+  using value_type = F;
 
   ChunkedView() = default;
-  ChunkedView(const RowBuffer<T>* chunks, std::size_t chunk_len, std::size_t num_kv_heads,
+  ChunkedView(const KVRows<F>* chunks, std::size_t chunk_len, std::size_t num_kv_heads,
               std::size_t head_dim, position_t length) noexcept
       : chunks_(chunks),
         chunk_len_(chunk_len),
@@ -252,21 +252,20 @@ class ChunkedView {
   [[nodiscard]] std::size_t num_segments() const noexcept {
     return (static_cast<std::size_t>(length_) + chunk_len_ - 1) / chunk_len_;
   }
-  [[nodiscard]] KVSegment<T> segment(std::size_t i) const noexcept {
-    const T* base = chunks_[i].data();
-    const std::size_t first = i * chunk_len_, v_at = num_kv_heads_ * chunk_len_;
-    const scale_type* scales = chunks_[i].scales();
-    return {base,
-            base + v_at * head_dim_,
+  [[nodiscard]] KVSegment<F> segment(std::size_t i) const noexcept {
+    const KVRows<F>& chunk = chunks_[i];
+    const std::size_t first = i * chunk_len_;
+    return {chunk.k(0),
+            chunk.v(0),
             chunk_len_ * head_dim_,
             static_cast<position_t>(first),
             std::min(chunk_len_, static_cast<std::size_t>(length_) - first),
-            scales,
-            scales != nullptr ? scales + v_at : nullptr};
+            chunk.k_scale(0),
+            chunk.v_scale(0)};
   }
 
  private:
-  const RowBuffer<T>* chunks_ = nullptr;
+  const KVRows<F>* chunks_ = nullptr;
   std::size_t chunk_len_ = 1;
   std::size_t num_kv_heads_ = 0;
   std::size_t head_dim_ = 0;
@@ -278,5 +277,6 @@ static_assert(KVView<SegmentView<float, 1>>);
 static_assert(KVView<ChunkedView<half>>);
 static_assert(KVView<SegmentView<KVFormats<half, qint8>, 1>>);
 static_assert(KVView<LayoutView<KVFormats<qint8, half>>>);
+static_assert(KVView<ChunkedView<KVFormats<half, fp8_e4m3>>>);
 
 }  // namespace kvcache

@@ -39,7 +39,7 @@ struct DynamicCacheConfig {
   std::size_t max_spare_chunks = std::numeric_limits<std::size_t>::max();
 };
 
-/// Growable cache. Each (layer, sequence) owns a list of chunks, each one allocation of
+/// Growable cache. Each (layer, sequence) owns a list of chunks, each one allocation (KVRows) of
 /// K [num_kv_heads][chunk_len][head_dim] then V of the same shape. Appending n tokens costs
 /// O(n * num_kv_heads * head_dim) plus one allocation per chunk_len tokens; cached tokens are
 /// never moved, so views of earlier positions stay cheap and the growth is amortised O(1) per
@@ -63,9 +63,11 @@ class DynamicCache {
     detail::require_nonzero(config.head_dim, kName, "head_dim");
     detail::require_nonzero(config.max_batch, kName, "max_batch");
     detail::require_nonzero(config.chunk_len, kName, "chunk_len");
-    chunk_elems_ = detail::checked_mul(
-        detail::checked_mul(2 * chunk_len_, shape_.num_kv_heads, "DynamicCache chunk"),
-        shape_.head_dim, "DynamicCache chunk");
+    chunk_rows_ = detail::checked_mul(chunk_len_, shape_.num_kv_heads, "DynamicCache chunk");
+    chunk_bytes_ = detail::checked_mul(chunk_rows_,
+                                       row_bytes(dtype_of<key_format_t<T>>, shape_.head_dim) +
+                                           row_bytes(dtype_of<value_format_t<T>>, shape_.head_dim),
+                                       "DynamicCache chunk");
     slots_.resize(shape_.num_layers * max_batch_);
   }
 
@@ -91,10 +93,10 @@ class DynamicCache {
     if (need > slot.chunks.size()) {
       const std::size_t missing = need - slot.chunks.size();
       const std::size_t reused = std::min(missing, spare_.size());
-      std::vector<RowBuffer<T>> grown;  // built aside, so bad_alloc changes nothing
+      std::vector<KVRows<T>> grown;  // built aside, so bad_alloc changes nothing
       grown.reserve(missing - reused);
       for (std::size_t i = reused; i < missing; ++i)
-        grown.emplace_back(chunk_rows(), shape_.head_dim);
+        grown.emplace_back(1, chunk_rows_, shape_.head_dim);
       slot.chunks.reserve(need);
       for (std::size_t i = 0; i < reused; ++i) {  // no throw after the reserve
         slot.chunks.push_back(std::move(spare_.back()));
@@ -105,17 +107,15 @@ class DynamicCache {
     }
     const std::size_t d = shape_.head_dim;
     const std::size_t head_elems = chunk_len_ * d;
-    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
     for (std::size_t done = 0; done < n;) {
       const std::size_t pos = slot.length + done;
       const std::size_t in_chunk = pos % chunk_len_;
       const std::size_t run = std::min(n - done, chunk_len_ - in_chunk);
-      RowBuffer<T>& chunk = slot.chunks[pos / chunk_len_];
+      KVRows<T>& chunk = slot.chunks[pos / chunk_len_];
       for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
         const std::size_t at = h * head_elems + in_chunk * d;
-        detail::store_rows(chunk.data() + at, chunk.scale_at(at), kin, done, run, h);
-        detail::store_rows(chunk.data() + at + v_offset, chunk.scale_at(at + v_offset), vin, done,
-                           run, h);
+        detail::store_rows(chunk.k(at), chunk.k_scale(at), kin, done, run, h);
+        detail::store_rows(chunk.v(at), chunk.v_scale(at), vin, done, run, h);
       }
       done += run;
     }
@@ -200,10 +200,10 @@ class DynamicCache {
     // Everything that can throw, aside: the shortfall's allocations, room in the spare list for
     // the released chunks, room in each slot's list.
     const std::size_t reusable = spare_.size() + released;
-    std::vector<RowBuffer<T>> grown;
+    std::vector<KVRows<T>> grown;
     grown.reserve(needed > reusable ? needed - reusable : 0);
     for (std::size_t i = reusable; i < needed; ++i)
-      grown.emplace_back(chunk_rows(), shape_.head_dim);
+      grown.emplace_back(1, chunk_rows_, shape_.head_dim);
     spare_.reserve(spare_.size() + released + grown.size());
     for (const LayerRestore<T>& e : entries) {
       slots_[e.layer * max_batch_ + e.seq].chunks.reserve(chunks_for(e.held()));
@@ -218,7 +218,6 @@ class DynamicCache {
       slot.length = 0;
     }
     const std::size_t head_elems = chunk_len_ * shape_.head_dim;
-    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
     for (const LayerRestore<T>& e : entries) {
       Slot& slot = slots_[e.layer * max_batch_ + e.seq];
       const std::size_t n = e.held();
@@ -226,7 +225,7 @@ class DynamicCache {
         slot.chunks.push_back(std::move(spare_.back()));
         spare_.pop_back();
         const std::size_t run = std::min(chunk_len_, n - first);
-        detail::restore_rows(slot.chunks.back(), 0, v_offset, head_elems, 0, e, first, run, shape_);
+        detail::restore_rows(slot.chunks.back(), 0, head_elems, 0, e, first, run, shape_);
       }
       slot.length = n;
     }
@@ -240,7 +239,7 @@ class DynamicCache {
   static constexpr const char* kName = "DynamicCache";
 
   struct Slot {
-    std::vector<RowBuffer<T>> chunks;
+    std::vector<KVRows<T>> chunks;
     std::size_t length = 0;
   };
 
@@ -250,11 +249,8 @@ class DynamicCache {
     return slots_[layer * max_batch_ + seq];
   }
 
-  [[nodiscard]] std::size_t chunk_bytes() const noexcept {
-    return chunk_elems_ * sizeof(T) + (scaled_v<T> ? chunk_rows() * sizeof(scale_type) : 0);
-  }
-  // K and V rows of one chunk: 2 x num_kv_heads x chunk_len.
-  [[nodiscard]] std::size_t chunk_rows() const noexcept { return chunk_elems_ / shape_.head_dim; }
+  // Bytes of one chunk's K and V rows and scales (what KVRows::bytes() reports).
+  [[nodiscard]] std::size_t chunk_bytes() const noexcept { return chunk_bytes_; }
   /// Chunks that hold n tokens.
   [[nodiscard]] std::size_t chunks_for(std::size_t n) const noexcept {
     return (n + chunk_len_ - 1) / chunk_len_;
@@ -290,10 +286,11 @@ class DynamicCache {
   std::size_t max_seq_len_;
   std::size_t chunk_len_;
   std::size_t max_spare_chunks_;
-  std::size_t chunk_elems_ = 0;
+  std::size_t chunk_rows_ = 0;       // rows of one side of a chunk: num_kv_heads x chunk_len
+  std::size_t chunk_bytes_ = 0;      // one chunk, both sides
   std::size_t allocated_bytes_ = 0;  // chunks in slots_ and in spare_
   std::vector<Slot> slots_;          // [layer][seq]
-  std::vector<RowBuffer<T>> spare_;
+  std::vector<KVRows<T>> spare_;
 };
 
 }  // namespace kvcache

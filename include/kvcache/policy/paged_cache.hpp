@@ -159,10 +159,9 @@ class PagedCache {
     const auto table = manager_.block_table(seq);
     // the sequence alone: its table is row 0
     const KVLayout<T> layout =
-        paged_layout(blocks_.layer_base(layer), static_cast<int>(shape_.num_kv_heads),
+        paged_layout(blocks_.layer_bases(layer), static_cast<int>(shape_.num_kv_heads),
                      static_cast<int>(shape_.head_dim), static_cast<int>(block_size()),
-                     static_cast<std::int64_t>(blocks_.block_elems()), table.data(), 1,
-                     static_cast<int>(table.size()), blocks_.layer_scales(layer));
+                     table.data(), 1, static_cast<int>(table.size()));
     return view_type(layout, 0, KeyRange{0, 0, len});
   }
 

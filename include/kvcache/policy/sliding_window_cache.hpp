@@ -72,8 +72,8 @@ class SlidingWindowCache {
     slots_per_seq_ = num_sinks_ + ring_len_;
     detail::require_int(slots_per_seq_, kName, "num_sink_tokens + window + max_append_len - 1");
     (void)kv_cache_bytes(shape_, slots_per_seq_, max_batch_);  // throws if it overflows
-    storage_ = RowBuffer<T>(
-        2 * shape_.num_layers * max_batch_ * shape_.num_kv_heads * slots_per_seq_, shape_.head_dim);
+    storage_ = KVRows<T>(shape_.num_layers * max_batch_, shape_.num_kv_heads * slots_per_seq_,
+                         shape_.head_dim);
     state_.assign(shape_.num_layers * max_batch_, State{0, static_cast<position_t>(num_sinks_)});
   }
 
@@ -98,7 +98,6 @@ class SlidingWindowCache {
     const std::size_t base = slab_offset(layer, seq);
     const std::size_t d = shape_.head_dim;
     const std::size_t head_elems = slots_per_seq_ * d;
-    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
     for (std::size_t done = 0; done < n;) {
       const std::size_t pos = static_cast<std::size_t>(st.length) + done;
       const std::size_t slot = slot_of(pos);
@@ -107,9 +106,8 @@ class SlidingWindowCache {
       const std::size_t run = std::min(n - done, region_end - slot);
       for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
         const std::size_t at = base + h * head_elems + slot * d;
-        detail::store_rows(storage_.data() + at, storage_.scale_at(at), kin, done, run, h);
-        detail::store_rows(storage_.data() + at + v_offset, storage_.scale_at(at + v_offset), vin,
-                           done, run, h);
+        detail::store_rows(storage_.k(at), storage_.k_scale(at), kin, done, run, h);
+        detail::store_rows(storage_.v(at), storage_.v_scale(at), vin, done, run, h);
       }
       done += run;
     }
@@ -228,12 +226,10 @@ class SlidingWindowCache {
     detail::check_window_restore(kName, entries, num_sinks_, window_, max_append_len_);
     const position_t sinks = static_cast<position_t>(num_sinks_);
     const std::size_t head_elems = slots_per_seq_ * shape_.head_dim;
-    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
     for (const LayerRestore<T>& e : entries) {
       const std::size_t base = slab_offset(e.layer, e.seq);
       auto copy = [&](std::size_t slot, std::size_t src_first, std::size_t n) {
-        detail::restore_rows(storage_, base, base + v_offset, head_elems, slot, e, src_first, n,
-                             shape_);
+        detail::restore_rows(storage_, base, head_elems, slot, e, src_first, n, shape_);
       };
       const std::size_t sink_end = static_cast<std::size_t>(e.sink_end);
       copy(0, 0, sink_end);
@@ -270,17 +266,16 @@ class SlidingWindowCache {
 
   // The layer as a ring layout (slab_offset's).
   [[nodiscard]] KVLayout<T> layout(std::size_t layer) const noexcept {
-    const std::size_t at = slab_offset(layer, 0);
-    const scale_type* scales = scaled_v<T> ? storage_.scales() + at / shape_.head_dim : nullptr;
-    return slab_layout(storage_.data() + at, static_cast<int>(max_batch_),
+    return slab_layout(storage_.bases(slab_offset(layer, 0)), static_cast<int>(max_batch_),
                        static_cast<int>(shape_.num_kv_heads), static_cast<int>(shape_.head_dim),
                        static_cast<std::int64_t>(slots_per_seq_), static_cast<int>(num_sinks_),
-                       static_cast<int>(ring_len_), scales);
+                       static_cast<int>(ring_len_));
   }
 
-  // Layout: [layer][seq][K, V][kv_head][num_sinks + ring_len][head_dim].
+  // Layout: a slab per (layer, seq), each side [kv_head][num_sinks + ring_len][head_dim]
+  // (KVRows).
   [[nodiscard]] std::size_t slab_offset(std::size_t layer, std::size_t seq) const noexcept {
-    return (layer * max_batch_ + seq) * 2 * shape_.num_kv_heads * slots_per_seq_ * shape_.head_dim;
+    return (layer * max_batch_ + seq) * storage_.slab_stride();
   }
 
   CacheShape shape_;
@@ -290,7 +285,7 @@ class SlidingWindowCache {
   std::size_t max_append_len_;
   std::size_t ring_len_ = 0;
   std::size_t slots_per_seq_ = 0;
-  RowBuffer<T> storage_;
+  KVRows<T> storage_;
   std::vector<State> state_;  // [layer][seq]
 };
 

@@ -49,8 +49,8 @@ class StaticCache {
     detail::require_int(config.head_dim, kName, "head_dim");
     detail::require_int(config.max_batch, kName, "max_batch");
     (void)kv_cache_bytes(shape_, max_seq_len_, max_batch_);  // throws if it overflows
-    storage_ = RowBuffer<T>(2 * shape_.num_layers * max_batch_ * shape_.num_kv_heads * max_seq_len_,
-                            shape_.head_dim);
+    storage_ = KVRows<T>(shape_.num_layers * max_batch_, shape_.num_kv_heads * max_seq_len_,
+                         shape_.head_dim);
     lengths_.assign(shape_.num_layers * max_batch_, 0);
   }
 
@@ -72,12 +72,10 @@ class StaticCache {
                                            " (holds ", len, ")"));
     }
     const std::size_t head_elems = max_seq_len_ * shape_.head_dim;
-    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
     for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
       const std::size_t at = slab_offset(layer, seq) + h * head_elems + len * shape_.head_dim;
-      detail::store_rows(storage_.data() + at, storage_.scale_at(at), kin, 0, n, h);
-      detail::store_rows(storage_.data() + at + v_offset, storage_.scale_at(at + v_offset), vin, 0,
-                         n, h);
+      detail::store_rows(storage_.k(at), storage_.k_scale(at), kin, 0, n, h);
+      detail::store_rows(storage_.v(at), storage_.v_scale(at), vin, 0, n, h);
     }
     len += n;
   }
@@ -135,8 +133,7 @@ class StaticCache {
     const std::size_t head_elems = max_seq_len_ * shape_.head_dim;
     for (const LayerRestore<T>& e : entries) {
       const std::size_t at = slab_offset(e.layer, e.seq), n = e.held();
-      detail::restore_rows(storage_, at, at + shape_.num_kv_heads * head_elems, head_elems, 0, e, 0,
-                           n, shape_);
+      detail::restore_rows(storage_, at, head_elems, 0, e, 0, n, shape_);
       lengths_[e.layer * max_batch_ + e.seq] = n;
     }
   }
@@ -144,24 +141,22 @@ class StaticCache {
  private:
   static constexpr const char* kName = "StaticCache";
 
-  // Layout: [layer][seq][K, V][kv_head][max_seq_len][head_dim].
-  // The layer as a contiguous layout (slab_offset's).
+  // Layout: a slab per (layer, seq), each side [kv_head][max_seq_len][head_dim] (KVRows).
+  // The layer as a contiguous layout.
   [[nodiscard]] KVLayout<T> layout(std::size_t layer) const noexcept {
-    const std::size_t at = slab_offset(layer, 0);
-    const scale_type* scales = scaled_v<T> ? storage_.scales() + at / shape_.head_dim : nullptr;
-    return slab_layout(storage_.data() + at, static_cast<int>(max_batch_),
+    return slab_layout(storage_.bases(slab_offset(layer, 0)), static_cast<int>(max_batch_),
                        static_cast<int>(shape_.num_kv_heads), static_cast<int>(shape_.head_dim),
-                       static_cast<std::int64_t>(max_seq_len_), 0, 0, scales);
+                       static_cast<std::int64_t>(max_seq_len_));
   }
 
   [[nodiscard]] std::size_t slab_offset(std::size_t layer, std::size_t seq) const noexcept {
-    return (layer * max_batch_ + seq) * 2 * shape_.num_kv_heads * max_seq_len_ * shape_.head_dim;
+    return (layer * max_batch_ + seq) * storage_.slab_stride();
   }
 
   CacheShape shape_;
   std::size_t max_batch_;
   std::size_t max_seq_len_;
-  RowBuffer<T> storage_;
+  KVRows<T> storage_;
   std::vector<std::size_t> lengths_;  // [layer][seq]
 };
 

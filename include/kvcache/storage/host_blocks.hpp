@@ -15,12 +15,12 @@
 
 namespace kvcache {
 
-/// num_blocks blocks of block_size tokens of every layer, in one 64-byte-aligned allocation laid
-/// out [layer][block][K, V][kv_head][block_size][head_dim]: a layer's blocks form one array (what
-/// a GPU kernel takes with a block table), a block's K and V of one layer are block_elems()
-/// elements, and a segment's heads are block_size * head_dim apart. Knows nothing of tables or
-/// sequences: the caller names blocks. Not thread-safe by itself: concurrent calls must touch
-/// different blocks (BlockManager's rules guarantee it).
+/// num_blocks blocks of block_size tokens of every layer, in 64-byte-aligned storage (KVRows, a
+/// slab per block of a layer) laid out [layer][block][K, V][kv_head][block_size][head_dim]: a
+/// layer's blocks form one array (what a GPU kernel takes with a block table), a block's K and V
+/// of one layer are block_elems() elements, and a segment's heads are block_size * head_dim apart.
+/// Knows nothing of tables or sequences: the caller names blocks. Not thread-safe by itself:
+/// concurrent calls must touch different blocks (BlockManager's rules guarantee it).
 template <KVElement T>
 class HostBlocks {
  public:
@@ -28,24 +28,20 @@ class HostBlocks {
   /// @throws capacity_error when the size overflows (naming `name`); std::bad_alloc.
   HostBlocks(const CacheShape& shape, std::size_t num_blocks, std::size_t block_size,
              const char* name)
-      : shape_(shape), block_size_(block_size) {
-    block_elems_ = kv_cache_bytes(1, shape.num_kv_heads, shape.head_dim, block_size, 1);
-    layer_elems_ = detail::checked_mul(num_blocks, block_elems_, name);
+      : shape_(shape), block_size_(block_size), num_blocks_(num_blocks) {
     (void)kv_cache_bytes(shape, detail::checked_mul(num_blocks, block_size, name));  // overflow
-    storage_ = RowBuffer<T>(shape.num_layers * layer_elems_ / shape.head_dim, shape.head_dim);
+    storage_ = KVRows<T>(detail::checked_mul(shape.num_layers, num_blocks, name),
+                         shape.num_kv_heads * block_size, shape.head_dim);
   }
 
   /// Layer `layer`'s first block.
   [[nodiscard]] const T* layer_base(std::size_t layer) const noexcept {
-    return storage_.data() + layer * layer_elems_;
+    return storage_.k(offset(layer, 0));
   }
-  /// Layer `layer`'s first block's row scales ([block][K, V][kv_head][block_size]), for a quantized
-  /// format; null otherwise.
-  [[nodiscard]] const scale_type* layer_scales(std::size_t layer) const noexcept {
-    return scaled_v<T> ? storage_.scales() + layer * layer_elems_ / shape_.head_dim : nullptr;
+  /// The bases of layer `layer`'s pool (block 0), for paged_layout().
+  [[nodiscard]] KVBases<T> layer_bases(std::size_t layer) const noexcept {
+    return storage_.bases(offset(layer, 0));
   }
-  /// Elements from one block of a layer to the next (its K and V).
-  [[nodiscard]] std::size_t block_elems() const noexcept { return block_elems_; }
   /// Bytes of every block of every layer, row scales included.
   [[nodiscard]] std::size_t bytes() const noexcept { return storage_.bytes(); }
 
@@ -55,7 +51,6 @@ class HostBlocks {
   void write_rows(std::size_t layer, const block_id* table, std::size_t position,
                   const TokenBlock<const U>& k, const TokenBlock<const U>& v) noexcept {
     const std::size_t d = shape_.head_dim, head_elems = block_size_ * d;
-    const std::size_t v_offset = shape_.num_kv_heads * head_elems;
     for (std::size_t done = 0; done < k.num_tokens;) {
       const std::size_t pos = position + done;
       const std::size_t in_block = pos % block_size_;
@@ -63,9 +58,8 @@ class HostBlocks {
       const std::size_t base = offset(layer, table[pos / block_size_]);
       for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
         const std::size_t at = base + h * head_elems + in_block * d;
-        detail::store_rows(storage_.data() + at, storage_.scale_at(at), k, done, run, h);
-        detail::store_rows(storage_.data() + at + v_offset, storage_.scale_at(at + v_offset), v,
-                           done, run, h);
+        detail::store_rows(storage_.k(at), storage_.k_scale(at), k, done, run, h);
+        detail::store_rows(storage_.v(at), storage_.v_scale(at), v, done, run, h);
       }
       done += run;
     }
@@ -78,12 +72,16 @@ class HostBlocks {
     for (std::size_t l = 0; l < shape_.num_layers; ++l) {
       const std::size_t n = rows(l);
       if (n == 0) continue;
-      const std::size_t src = offset(l, from), dst = offset(l, to);
-      for (std::size_t h = 0; h < 2 * shape_.num_kv_heads; ++h) {  // K heads, then V heads
-        const std::size_t at = h * head_elems;
-        std::copy_n(storage_.data() + src + at, n * d, storage_.data() + dst + at);
-        if constexpr (scaled_v<T>) {
-          std::copy_n(storage_.scale_at(src + at), n, storage_.scale_at(dst + at));
+      for (std::size_t h = 0; h < shape_.num_kv_heads; ++h) {
+        const std::size_t src = offset(l, from) + h * head_elems,
+                          dst = offset(l, to) + h * head_elems;
+        std::copy_n(storage_.k(src), n * d, storage_.k(dst));
+        std::copy_n(storage_.v(src), n * d, storage_.v(dst));
+        if constexpr (scaled_v<key_format_t<T>>) {
+          std::copy_n(storage_.k_scale(src), n, storage_.k_scale(dst));
+        }
+        if constexpr (scaled_v<value_format_t<T>>) {
+          std::copy_n(storage_.v_scale(src), n, storage_.v_scale(dst));
         }
       }
     }
@@ -93,22 +91,21 @@ class HostBlocks {
   /// block `index` of a sequence restored from `e` (whose K/V is packed, PagedCache holding
   /// every position). @pre e.sink_end == e.recent_begin == 0.
   void fill_block(const LayerRestore<T>& e, std::size_t index, block_id b) noexcept {
-    const std::size_t at = offset(e.layer, b), v_at = at + block_elems_ / 2;  // [K, V] halves
-    detail::fill_packed_block(storage_.data() + at, storage_.data() + v_at, storage_.scale_at(at),
-                              storage_.scale_at(v_at), block_size_, shape_, e, index);
+    const std::size_t at = offset(e.layer, b);
+    detail::fill_packed_block(storage_.k(at), storage_.v(at), storage_.k_scale(at),
+                              storage_.v_scale(at), block_size_, shape_, e, index);
   }
 
  private:
-  // Element offset of block b of `layer`.
+  // Element offset of block b of `layer` (its K rows; KVRows finds the V rows).
   [[nodiscard]] std::size_t offset(std::size_t layer, block_id b) const noexcept {
-    return layer * layer_elems_ + std::size_t{b} * block_elems_;
+    return (layer * num_blocks_ + std::size_t{b}) * storage_.slab_stride();
   }
 
   CacheShape shape_{};
   std::size_t block_size_ = 1;
-  std::size_t block_elems_ = 0;  // one block of one layer: K and V
-  std::size_t layer_elems_ = 0;  // all blocks of one layer
-  RowBuffer<T> storage_;
+  std::size_t num_blocks_ = 0;
+  KVRows<T> storage_;  // a slab per (layer, block)
 };
 
 }  // namespace kvcache
