@@ -134,7 +134,10 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
         T* block = staging.data() + used * block_elems;
         scale_type* scales = scaled_v<T> ? staging_scales.data() + used * block_rows : nullptr;
         ++used;
-        kvcache::detail::fill_packed_block(block, scales, config_.block_size, shape, e, i);
+        // the block's [K, V] halves: V rows (and scales) half a block after K's
+        kvcache::detail::fill_packed_block(block, block + block_elems / 2, scales,
+                                           scales != nullptr ? scales + block_rows / 2 : nullptr,
+                                           config_.block_size, shape, e, i);
         const std::size_t dst = layer_offset(e.layer) + std::size_t{table[i]} * block_elems;
         to_device(storage_.data() + dst, block, block_elems);
         if constexpr (scaled_v<T>) to_device(scales_at(dst), scales, block_rows);
