@@ -64,9 +64,44 @@ void policies() {
   }
 }
 
+// A K/V format pair in every host policy (snapshots take one format so far).
+template <KVFormat F>
+void pair_policies() {
+  constexpr std::size_t d = 16;
+  std::vector<float> kv(d), q(d), out(d);
+  const TokenBlock<const float> one{kv, 1, 1, d};
+  StaticCache<F> fixed({.num_layers = 1, .num_kv_heads = 1, .head_dim = d, .max_seq_len = 8});
+  DynamicCache<F> growing({.num_layers = 1, .num_kv_heads = 1, .head_dim = d});
+  SlidingWindowCache<F> sliding(
+      {.num_layers = 1, .num_kv_heads = 1, .head_dim = d, .window = 2, .num_sink_tokens = 1});
+  PagedCache<F> paged({.num_layers = 1, .num_kv_heads = 1, .head_dim = d, .num_blocks = 4});
+  fixed.append(0, 0, one, one);
+  growing.append(0, 0, one, one);
+  sliding.append(0, 0, one, one);
+  const token_id id = 1;
+  paged.append(0, 0, std::span<const token_id>(&id, 1), one, one);
+  paged.fork(0, 0);
+  (void)paged.layer_pool(0);
+  attend({q, 1, 1, d}, fixed.view(0, 0), {out, 1, 1, d});
+  attend({q, 1, 1, d}, growing.view(0, 0), {out, 1, 1, d});
+  attend({q, 1, 1, d}, sliding.view(0, 0), {out, 1, 1, d});
+  attend({q, 1, 1, d}, paged.view(0, 0), {out, 1, 1, d});
+  const Rope rope({}, d);
+  context_shift(fixed, 0, 0, 1, rope);
+  context_shift(growing, 0, 0, 1, rope);
+  context_shift(sliding, 0, 0, 1, rope);
+  context_shift(paged, 0, 0, 1, rope);
+  fixed.restore(std::span<const LayerRestore<F>>{});
+  growing.restore(std::span<const LayerRestore<F>>{});
+  sliding.restore(std::span<const LayerRestore<F>>{});
+  paged.restore(std::span<const LayerRestore<F>>{}, {});
+}
+
 }  // namespace
 
 void kvcache_strict_warnings() {
+  pair_policies<KVFormats<half, qint8>>();
+  pair_policies<KVFormats<fp8_e4m3, bfloat16>>();
   policies<float>();
   policies<half>();
   policies<bfloat16>();

@@ -16,14 +16,16 @@ namespace kvcache {
 /// A KV cache policy.
 ///
 /// Requirements (for `C c`, `const C cc`, `std::size_t layer, seq, n`, and K/V blocks `k`, `v`
-/// of type TokenBlock<const float>, or TokenBlock<const C::value_type> unless value_type is a
-/// quantized format):
-///  1. `C::value_type` is the stored element type; `C::view_type` models KVView over it.
+/// of type TokenBlock<const float>, or TokenBlock<const C::value_type> when value_type is f32,
+/// f16 or bf16):
+///  1. `C::value_type` is the stored format: an element type, or KVFormats<K, V> for keys and
+///     values stored in different formats; `C::view_type` models KVView over it.
 ///  2. `c.append(layer, seq, k, v)`: stores n = k.num_tokens >= 1 new tokens of one layer of one
 ///     sequence, k and v shaped [n][num_kv_heads][head_dim]. float input is rounded to
 ///     value_type (nearest even), value_type input is copied; a quantized format (qint8,
 ///     fp8_e4m3) takes float input only and quantizes each row with its own scale
-///     (core/format.hpp quantize_row: a row holding inf or NaN reads back as NaN). The tokens take
+///     (core/format.hpp quantize_row: a row holding inf or NaN reads back as NaN); a KVFormats
+///     pair takes float input only, k written in K's format and v in V's. The tokens take
 ///     the positions
 ///     layer_length(layer, seq), ..., + n - 1. Values are stored as the IEEE conversion gives
 ///     them: a float beyond half's or bfloat16's range becomes ±inf, NaN stays NaN; append
@@ -39,7 +41,8 @@ namespace kvcache {
 ///     can_crop is false (n > seq_length, or a sliding window already evicted what it needs).
 ///  7. `c.reset(seq)`: forget the sequence (length 0 in every layer; memory may be released).
 ///  8. `cc.memory_bytes()` -> std::size_t: bytes of K/V storage the cache holds right now.
-///  9. `cc.shape()` -> CacheShape, with shape().dtype == dtype_of<value_type>.
+///  9. `cc.shape()` -> CacheShape, with shape().dtype the dtype of K's format and
+///     shape().value_dtype that of V's (both dtype_of<value_type> for one format).
 ///
 /// Semantics the compiler cannot check: bad arguments throw a kvcache::error subclass
 /// (layer_error, batch_error, shape_error, capacity_error, position_error) whose message names
@@ -52,7 +55,7 @@ concept CacheConcept = requires(C& c, const C& cc, std::size_t layer, std::size_
   typename C::view_type;
   requires KVView<typename C::view_type>;
   requires std::same_as<typename C::view_type::value_type, typename C::value_type>;
-  requires QuantizedElement<typename C::value_type> ||
+  requires(!Element<typename C::value_type>) ||
       requires(TokenBlock<const typename C::value_type> kv) {
     { c.append(layer, seq, kv, kv) } -> std::same_as<void>;
   };

@@ -9,6 +9,7 @@
 
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/format.hpp"
 #include "kvcache/core/host_device.hpp"
 
 namespace kvcache {
@@ -36,7 +37,11 @@ struct CacheShape {
   std::size_t num_layers = 0;
   std::size_t num_kv_heads = 0;
   std::size_t head_dim = 0;
+  /// The storage format of K, and of V unless value_dtype says otherwise.
   DType dtype = DType::f32;
+  /// The storage format of V: dtype unless the cache stores KVFormats<K, V> with V in another
+  /// format (a shape written {layers, heads, head_dim, dtype} has value_dtype == dtype).
+  DType value_dtype = dtype;
 
   /// Elements of K (or V) for one token in one layer: num_kv_heads * head_dim.
   [[nodiscard]] constexpr std::size_t token_elems() const noexcept {
@@ -44,6 +49,15 @@ struct CacheShape {
   }
   friend constexpr bool operator==(const CacheShape&, const CacheShape&) = default;
 };
+
+/// The CacheShape of a cache storing format F (one element type, or KVFormats<K, V>: dtype is K's,
+/// value_dtype V's).
+template <KVFormat F>
+[[nodiscard]] constexpr CacheShape cache_shape(std::size_t num_layers, std::size_t num_kv_heads,
+                                               std::size_t head_dim) noexcept {
+  return {num_layers, num_kv_heads, head_dim, dtype_of<key_format_t<F>>,
+          dtype_of<value_format_t<F>>};
+}
 
 namespace detail {
 
@@ -88,14 +102,27 @@ inline void require_int(std::size_t value, const char* cache, const char* field)
   return n;
 }
 
-/// kv_cache_bytes() for a CacheShape: 2 x layers x kv_heads x seq_len x batch rows of
+/// kv_cache_bytes() for a CacheShape: layers x kv_heads x seq_len x batch K rows of
 /// row_bytes(dtype, head_dim) each, that is head_dim x dtype_bytes, plus a 2-byte scale per row for
-/// the quantized formats (int8, fp8). Llama-3-8B's shape at 4096 tokens in int8: 2 x 32 x 8 x 4096
-/// x (128 + 2) = 272,629,760 bytes, 0.508 of fp16's.
+/// the quantized formats (int8, fp8), and as many V rows of row_bytes(value_dtype, head_dim).
+/// Llama-3-8B's shape at 4096 tokens in int8: 2 x 32 x 8 x 4096 x (128 + 2) = 272,629,760 bytes,
+/// 0.508 of fp16's; with f16 keys and int8 values: 32 x 8 x 4096 x (256 + 130) = 404,750,336,
+/// 0.754.
+/// @throws capacity_error when the product overflows size_t.
 [[nodiscard]] constexpr std::size_t kv_cache_bytes(const CacheShape& shape, std::size_t seq_len,
                                                    std::size_t batch = 1) {
-  return kv_cache_bytes(shape.num_layers, shape.num_kv_heads, 1, seq_len,
-                        row_bytes(shape.dtype, shape.head_dim), batch);
+  const std::size_t k = row_bytes(shape.dtype, shape.head_dim);
+  const std::size_t v = row_bytes(shape.value_dtype, shape.head_dim);
+  std::size_t rows = 1;  // of each side
+  for (std::size_t f : {shape.num_layers, shape.num_kv_heads, seq_len, batch}) {
+    rows = detail::checked_mul(rows, f, "kv_cache_bytes");
+  }
+  std::size_t row_pair = 0;
+  if (__builtin_add_overflow(k, v, &row_pair)) {
+    throw capacity_error(
+        detail::message("kv_cache_bytes: row bytes ", k, " + ", v, " overflow size_t"));
+  }
+  return detail::checked_mul(rows, row_pair, "kv_cache_bytes");
 }
 
 }  // namespace kvcache

@@ -80,14 +80,17 @@ inline ShiftedLayout shifted_layout(std::size_t seq, std::size_t layer, position
 /// [heads][held][head_dim] block of `held` rows) the rows of `view` that survive dropping
 /// positions [keep, end), the keys of positions >= end turned back by end - keep (read as floats,
 /// turned, and written back in the cache's format: rounded, or quantized with a fresh scale).
-/// Quantized formats: ks_out / vs_out receive the rows' scales, packed [heads][held] (unused
-/// otherwise). `scratch` holds at least kShiftTile * head_dim floats.
+/// A quantized side's scales go to ks_out (K) / vs_out (V), packed [heads][held] (unused
+/// otherwise). T is the view's format (a KVFormats pair: K rows turned in K's format, V rows
+/// copied in V's). `scratch` holds at least kShiftTile * head_dim floats.
 inline constexpr std::size_t kShiftTile = 64;
 
-template <KVView V, KVElement T = typename V::value_type>
-void pack_shifted(const V& view, const Rope& rope, position_t keep, position_t end, T* k_out,
-                  T* v_out, scale_type* ks_out, scale_type* vs_out, std::size_t held,
-                  float* scratch) {
+template <KVView V, KVFormat T = typename V::value_type>
+void pack_shifted(const V& view, const Rope& rope, position_t keep, position_t end,
+                  key_format_t<T>* k_out, value_format_t<T>* v_out, scale_type* ks_out,
+                  scale_type* vs_out, std::size_t held, float* scratch) {
+  using K = key_format_t<T>;
+  using Val = value_format_t<T>;
   const std::size_t d = view.head_dim();
   const double delta = -static_cast<double>(end - keep);
   std::size_t row = 0;  // packed row of the next surviving position
@@ -103,16 +106,17 @@ void pack_shifted(const V& view, const Rope& rope, position_t keep, position_t e
       const auto from = static_cast<std::size_t>(run[0] - seg.first_pos);
       const auto n = static_cast<std::size_t>(run[1] - run[0]);
       for (std::size_t h = 0; h < view.num_kv_heads(); ++h) {
-        const T* k = seg.k + h * seg.head_stride + from * d;
-        const T* v = seg.v + h * seg.head_stride + from * d;
+        const K* k = seg.k + h * seg.head_stride + from * d;
+        const Val* v = seg.v + h * seg.head_stride + from * d;
         const std::size_t out_row = h * held + row;
-        T* kd = k_out + out_row * d;
+        K* kd = k_out + out_row * d;
         std::copy(v, v + n * d, v_out + out_row * d);
-        const scale_type* k_scale = nullptr;
-        if constexpr (scaled_v<T>) {
-          const std::size_t at = h * seg.head_stride / d + from;
-          k_scale = seg.k_scale + at;
+        const std::size_t at = h * seg.head_stride / d + from;  // the rows' first scale
+        if constexpr (scaled_v<Val>)
           std::copy(seg.v_scale + at, seg.v_scale + at + n, vs_out + out_row);
+        const scale_type* k_scale = nullptr;
+        if constexpr (scaled_v<K>) {
+          k_scale = seg.k_scale + at;
           if (!turned) std::copy(k_scale, k_scale + n, ks_out + out_row);
         }
         if (!turned) {
@@ -128,7 +132,7 @@ void pack_shifted(const V& view, const Rope& rope, position_t keep, position_t e
           rope.turn(scratch, m, delta);  // m rows of head_dim, one angle set
           for (std::size_t r = t; r < t + m; ++r) {
             quantize_row(scratch + (r - t) * d, d, kd + r * d,
-                         scaled_v<T> ? ks_out + out_row + r : nullptr);
+                         scaled_v<K> ? ks_out + out_row + r : nullptr);
           }
         }
       }
@@ -165,17 +169,18 @@ void check_context_shift(const char* who, const CacheShape& shape, std::size_t m
 
 /// A shifted sequence, ready for a restore() hook: the packed rows of every layer and the
 /// entries that point into them.
-template <KVElement T>
+template <KVFormat T>
 struct ShiftedRows {
-  std::vector<T> k, v;
-  std::vector<scale_type> k_scale, v_scale;  // quantized formats
+  std::vector<key_format_t<T>> k;
+  std::vector<value_format_t<T>> v;
+  std::vector<scale_type> k_scale, v_scale;  // of a quantized side
   std::vector<LayerRestore<T>> entries;
 };
 
 /// The rows of every layer of `seq` after positions [n_keep, n_keep + n_discard) are dropped and
 /// the later keys turned back (pack_shifted), read from `view_of(l)`, a host KVView of layer l.
 /// @throws position_error (shifted_layout), std::bad_alloc.
-template <KVElement T, class ViewOf>
+template <KVFormat T, class ViewOf>
 ShiftedRows<T> shift_rows(const CacheShape& shape, std::size_t seq, std::size_t n_keep,
                           std::size_t n_discard, const Rope& rope, ViewOf&& view_of) {
   const auto keep = static_cast<position_t>(n_keep);
@@ -194,22 +199,19 @@ ShiftedRows<T> shift_rows(const CacheShape& shape, std::size_t seq, std::size_t 
   ShiftedRows<T> out;
   out.k.resize(first_row.back() * row_elems);
   out.v.resize(out.k.size());
-  if constexpr (scaled_v<T>) {
-    out.k_scale.resize(first_row.back() * shape.num_kv_heads);
-    out.v_scale.resize(out.k_scale.size());
-  }
+  constexpr bool k_scaled = scaled_v<key_format_t<T>>, v_scaled = scaled_v<value_format_t<T>>;
+  if constexpr (k_scaled) out.k_scale.resize(first_row.back() * shape.num_kv_heads);
+  if constexpr (v_scaled) out.v_scale.resize(first_row.back() * shape.num_kv_heads);
   out.entries.resize(shape.num_layers);
   std::vector<float> scratch(kShiftTile * shape.head_dim);
   for (std::size_t l = 0; l < shape.num_layers; ++l) {
     const std::size_t held = first_row[l + 1] - first_row[l];
-    T* k_out = out.k.data() + first_row[l] * row_elems;
-    T* v_out = out.v.data() + first_row[l] * row_elems;
+    key_format_t<T>* k_out = out.k.data() + first_row[l] * row_elems;
+    value_format_t<T>* v_out = out.v.data() + first_row[l] * row_elems;
     scale_type* ks_out = nullptr;
     scale_type* vs_out = nullptr;
-    if constexpr (scaled_v<T>) {
-      ks_out = out.k_scale.data() + first_row[l] * shape.num_kv_heads;
-      vs_out = out.v_scale.data() + first_row[l] * shape.num_kv_heads;
-    }
+    if constexpr (k_scaled) ks_out = out.k_scale.data() + first_row[l] * shape.num_kv_heads;
+    if constexpr (v_scaled) vs_out = out.v_scale.data() + first_row[l] * shape.num_kv_heads;
     pack_shifted(view_of(l), rope, keep, end, k_out, v_out, ks_out, vs_out, held, scratch.data());
     const ShiftedLayout& s = layouts[l];
     LayerRestore<T>& e = out.entries[l];
@@ -220,10 +222,8 @@ ShiftedRows<T> shift_rows(const CacheShape& shape, std::size_t seq, std::size_t 
     e.recent_begin = s.recent_begin;
     e.k = {k_out, held * row_elems};
     e.v = {v_out, held * row_elems};
-    if constexpr (scaled_v<T>) {
-      e.k_scale = {ks_out, held * shape.num_kv_heads};
-      e.v_scale = {vs_out, held * shape.num_kv_heads};
-    }
+    if constexpr (k_scaled) e.k_scale = {ks_out, held * shape.num_kv_heads};
+    if constexpr (v_scaled) e.v_scale = {vs_out, held * shape.num_kv_heads};
   }
   return out;
 }

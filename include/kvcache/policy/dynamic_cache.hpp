@@ -44,7 +44,7 @@ struct DynamicCacheConfig {
 /// O(n * num_kv_heads * head_dim) plus one allocation per chunk_len tokens; cached tokens are
 /// never moved, so views of earlier positions stay cheap and the growth is amortised O(1) per
 /// token without the 2x transient of a doubling vector.
-template <KVElement T>
+template <KVFormat T>
 class DynamicCache {
  public:
   using value_type = T;
@@ -52,7 +52,7 @@ class DynamicCache {
 
   /// @throws shape_error for a zero num_layers, num_kv_heads, head_dim, max_batch or chunk_len.
   explicit DynamicCache(const DynamicCacheConfig& config)
-      : shape_{config.num_layers, config.num_kv_heads, config.head_dim, dtype_of<T>},
+      : shape_(cache_shape<T>(config.num_layers, config.num_kv_heads, config.head_dim)),
         max_batch_(config.max_batch),
         max_seq_len_(config.max_seq_len == 0 ? std::numeric_limits<std::size_t>::max()
                                              : config.max_seq_len),

@@ -56,7 +56,7 @@ struct PagedCacheConfig {
 /// block, read in place from the pool (no gather). Block i of the sequence's table
 /// (block_table()) holds positions [i * block_size, (i + 1) * block_size) clipped to length; its
 /// K is [num_kv_heads][block_size][head_dim], V follows.
-template <KVElement T>
+template <KVFormat T>
 using PagedView = LayoutView<T>;
 
 /// Paged KV cache with automatic prefix caching: a BlockManager (the bookkeeping: tables, ids,
@@ -95,7 +95,7 @@ using PagedView = LayoutView<T>;
 /// check_consistency() needs no concurrent mutation. K/V rows are written and copied outside the
 /// manager's lock, only into blocks the writing sequence holds alone. A view is valid until the
 /// next mutating call on its own sequence; other sequences' operations never invalidate it.
-template <KVElement T, BlockHasher Hasher = DefaultBlockHasher>
+template <KVFormat T, BlockHasher Hasher = DefaultBlockHasher>
 class PagedCache {
  public:
   using value_type = T;
@@ -108,7 +108,7 @@ class PagedCache {
   ///         or max_batch, or num_blocks >= 2^32 - 1; capacity_error if a size overflows;
   ///         std::bad_alloc.
   explicit PagedCache(const PagedCacheConfig& config, Hasher hasher = {})
-      : shape_{config.num_layers, config.num_kv_heads, config.head_dim, dtype_of<T>},
+      : shape_(cache_shape<T>(config.num_layers, config.num_kv_heads, config.head_dim)),
         manager_(checked(config), std::move(hasher), kName),
         blocks_(shape_, config.num_blocks, config.block_size, kName) {}
 
@@ -333,10 +333,19 @@ class PagedCache {
   [[nodiscard]] const manager_type& manager() const noexcept { return manager_; }
 
   /// Layer `layer`'s pool, [num_blocks][K, V][num_kv_heads][block_size][head_dim]: what block
-  /// ids (block_table(), export_csr()) index, for kernels of the engine's own. @pre layer <
-  /// num_layers.
-  [[nodiscard]] const T* layer_data(std::size_t layer) const noexcept {
-    return blocks_.layer_base(layer);
+  /// ids (block_table(), export_csr()) index, for kernels of the engine's own. One format only
+  /// (a KVFormats pair keeps K and V apart: layer_pool()). @pre layer < num_layers.
+  [[nodiscard]] const T* layer_data(std::size_t layer) const noexcept requires KVElement<T> {
+    return blocks_.layer_bases(layer).k;
+  }
+
+  /// Layer `layer`'s pool for any format: K of block b at k + b * slab_stride, laid out
+  /// [num_kv_heads][block_size][head_dim], its V rows at the same offsets from v; the row scales
+  /// of a quantized side at k_scale / v_scale, one per row, indexed as the rows (element offset
+  /// / head_dim). One format: layer_data()'s [K, V] blocks (v = k + num_kv_heads * block_size *
+  /// head_dim); a KVFormats pair: a K pool and a V pool. @pre layer < num_layers.
+  [[nodiscard]] KVBases<T> layer_pool(std::size_t layer) const noexcept {
+    return blocks_.layer_bases(layer);
   }
 
   /// BlockManager::check_consistency(): "" or the first broken invariant. For tests; needs no

@@ -42,7 +42,7 @@ struct SlidingWindowCacheConfig {
 /// (p - num_sink_tokens) % ring_len(). After appending n <= max_append_len tokens every query
 /// among them still finds its whole window in the cache, and crop() can roll back up to
 /// max_append_len tokens below the longest length reached (can_crop() states it exactly).
-template <KVElement T>
+template <KVFormat T>
 class SlidingWindowCache {
  public:
   using value_type = T;
@@ -51,7 +51,7 @@ class SlidingWindowCache {
   /// @throws shape_error for a zero num_layers, num_kv_heads, head_dim, max_batch, window or
   ///         max_append_len; capacity_error if the size overflows; std::bad_alloc.
   explicit SlidingWindowCache(const SlidingWindowCacheConfig& config)
-      : shape_{config.num_layers, config.num_kv_heads, config.head_dim, dtype_of<T>},
+      : shape_(cache_shape<T>(config.num_layers, config.num_kv_heads, config.head_dim)),
         max_batch_(config.max_batch),
         window_(config.window),
         num_sinks_(config.num_sink_tokens),

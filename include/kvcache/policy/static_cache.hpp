@@ -28,7 +28,7 @@ struct StaticCacheConfig {
 /// array per (layer, sequence), of any storage format T (float, half, bfloat16, or qint8 /
 /// fp8_e4m3 codes with a scale per row). memory_bytes() == kv_cache_bytes(shape, max_seq_len,
 /// max_batch) from construction on; append, crop and reset never allocate.
-template <KVElement T>
+template <KVFormat T>
 class StaticCache {
  public:
   using value_type = T;
@@ -37,7 +37,7 @@ class StaticCache {
   /// Allocates all storage. @throws shape_error for a zero field, capacity_error if the size
   /// overflows, std::bad_alloc.
   explicit StaticCache(const StaticCacheConfig& config)
-      : shape_{config.num_layers, config.num_kv_heads, config.head_dim, dtype_of<T>},
+      : shape_(cache_shape<T>(config.num_layers, config.num_kv_heads, config.head_dim)),
         max_batch_(config.max_batch),
         max_seq_len_(config.max_seq_len) {
     detail::require_nonzero(config.num_layers, kName, "num_layers");

@@ -21,7 +21,7 @@ namespace kvcache {
 /// of one layer are block_elems() elements, and a segment's heads are block_size * head_dim apart.
 /// Knows nothing of tables or sequences: the caller names blocks. Not thread-safe by itself:
 /// concurrent calls must touch different blocks (BlockManager's rules guarantee it).
-template <KVElement T>
+template <KVFormat T>
 class HostBlocks {
  public:
   HostBlocks() = default;
@@ -34,10 +34,6 @@ class HostBlocks {
                          shape.num_kv_heads * block_size, shape.head_dim);
   }
 
-  /// Layer `layer`'s first block.
-  [[nodiscard]] const T* layer_base(std::size_t layer) const noexcept {
-    return storage_.k(offset(layer, 0));
-  }
   /// The bases of layer `layer`'s pool (block 0), for paged_layout().
   [[nodiscard]] KVBases<T> layer_bases(std::size_t layer) const noexcept {
     return storage_.bases(offset(layer, 0));
