@@ -12,6 +12,8 @@ TEST_CASE("fmt formats dtypes, shapes and prefix-cache statistics") {
   REQUIRE(fmt::format("{}", DType::bf16) == "bf16");
   REQUIRE(fmt::format("{}", CacheShape{5, 4, 8, DType::f16}) ==
           "5 layers x 4 kv heads x head_dim 8, f16");
+  REQUIRE(fmt::format("{}", cache_shape<KVFormats<half, qint8>>(5, 4, 8)) ==
+          "5 layers x 4 kv heads x head_dim 8, K f16 + V int8");
   PagedCache<float> cache({.num_layers = 1,
                            .num_kv_heads = 1,
                            .head_dim = 4,

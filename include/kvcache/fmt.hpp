@@ -19,13 +19,16 @@ struct fmt::formatter<kvcache::DType> : fmt::formatter<std::string_view> {
   }
 };
 
-/// Formats a CacheShape as "5 layers x 4 kv heads x head_dim 8, f16".
+/// Formats a CacheShape as "5 layers x 4 kv heads x head_dim 8, f16", or with keys and values in
+/// different formats "..., K f16 + V int8".
 template <>
 struct fmt::formatter<kvcache::CacheShape> : fmt::formatter<std::string_view> {
   template <class Ctx>
   auto format(const kvcache::CacheShape& s, Ctx& ctx) const {
-    return fmt::format_to(ctx.out(), "{} layers x {} kv heads x head_dim {}, {}", s.num_layers,
-                          s.num_kv_heads, s.head_dim, s.dtype);
+    auto out = fmt::format_to(ctx.out(), "{} layers x {} kv heads x head_dim {}, ", s.num_layers,
+                              s.num_kv_heads, s.head_dim);
+    if (s.value_dtype == s.dtype) return fmt::format_to(out, "{}", s.dtype);
+    return fmt::format_to(out, "K {} + V {}", s.dtype, s.value_dtype);
   }
 };
 

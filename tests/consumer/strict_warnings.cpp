@@ -64,7 +64,7 @@ void policies() {
   }
 }
 
-// A K/V format pair in every host policy (snapshots take one format so far).
+// A K/V format pair in every host policy, snapshots included.
 template <KVFormat F>
 void pair_policies() {
   constexpr std::size_t d = 16;
@@ -95,6 +95,11 @@ void pair_policies() {
   growing.restore(std::span<const LayerRestore<F>>{});
   sliding.restore(std::span<const LayerRestore<F>>{});
   paged.restore(std::span<const LayerRestore<F>>{}, {});
+  const ModelId model = ModelId::from_u64(2);
+  load_snapshot_bytes(snapshot_to_bytes(fixed, model), fixed, model);
+  load_snapshot_bytes(snapshot_to_bytes(growing, model), growing, model);
+  load_snapshot_bytes(snapshot_to_bytes(sliding, model), sliding, model);
+  load_snapshot_bytes(snapshot_to_bytes(paged, model), paged, model);
 }
 
 }  // namespace

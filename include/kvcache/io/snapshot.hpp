@@ -62,7 +62,7 @@ concept SnapshotCache = CacheConcept<C> && requires {
   { SnapshotTraits<C>::kTracksTokens } -> std::convertible_to<bool>;
 };
 
-template <KVElement T>
+template <KVFormat T>
 struct SnapshotTraits<StaticCache<T>> {
   using cache_type = StaticCache<T>;
   static constexpr SnapshotPolicy kPolicy = SnapshotPolicy::static_cache;
@@ -82,7 +82,7 @@ struct SnapshotTraits<StaticCache<T>> {
   }
 };
 
-template <KVElement T>
+template <KVFormat T>
 struct SnapshotTraits<DynamicCache<T>> {
   using cache_type = DynamicCache<T>;
   static constexpr SnapshotPolicy kPolicy = SnapshotPolicy::dynamic_cache;
@@ -105,7 +105,7 @@ struct SnapshotTraits<DynamicCache<T>> {
   }
 };
 
-template <KVElement T>
+template <KVFormat T>
 struct SnapshotTraits<SlidingWindowCache<T>> {
   using cache_type = SlidingWindowCache<T>;
   static constexpr SnapshotPolicy kPolicy = SnapshotPolicy::sliding_window;
@@ -152,7 +152,7 @@ struct SnapshotTraits<SlidingWindowCache<T>> {
 /// cache tracks ids itself), not its block layout. Loading takes fresh blocks from the
 /// destination's pool, copies the rows in and indexes the full blocks in its prefix index
 /// (PagedCache::restore), so a loaded prompt serves prefix-cache hits once released.
-template <KVElement T, BlockHasher H>
+template <KVFormat T, BlockHasher H>
 struct SnapshotTraits<PagedCache<T, H>> {
   using cache_type = PagedCache<T, H>;
   static constexpr SnapshotPolicy kPolicy = SnapshotPolicy::paged_cache;
@@ -210,7 +210,7 @@ struct SnapshotTraits<TokenTrackedCache<C>> {
 
 /// Deliberately not defined: a PagedCache tracks its ids itself; wrapped in a TokenTrackedCache
 /// they would be tracked twice. Snapshot the PagedCache itself (SnapshotCache is false here).
-template <KVElement T, BlockHasher H>
+template <KVFormat T, BlockHasher H>
 struct SnapshotTraits<TokenTrackedCache<PagedCache<T, H>>>;
 
 /// Options of save_snapshot().
@@ -359,7 +359,6 @@ struct SavePlan {
       for (std::size_t s = 0; s < ids.size(); ++s) ids[s] = s;
     }
     const CacheShape shape = cache.shape();
-    const std::uint64_t token_bytes = shape.num_kv_heads * row_bytes(shape.dtype, shape.head_dim);
     section_sizes.push_back(kMetaBytes);
     std::vector<bool> listed(cache.max_batch(), false);
     for (std::size_t i = 0; i < ids.size(); ++i) {
@@ -387,7 +386,11 @@ struct SavePlan {
       if (s.exact_prefix < s.tokens.size()) section_sizes.push_back(kExactPrefixBytes);
       if (s.extra_key != 0) section_sizes.push_back(kExtraKeyBytes);
       for (const LayerState& st : s.layers) {
-        section_sizes.push_back(kLayerKvHeaderBytes + 2 * st.held() * token_bytes);
+        section_sizes.push_back(kLayerKvHeaderBytes +
+                                snapshot_format::kv_payload(shape.dtype, shape.value_dtype,
+                                                            st.held() * shape.num_kv_heads,
+                                                            shape.head_dim)
+                                    .end);
       }
       seqs.push_back(std::move(s));
     }
@@ -457,8 +460,14 @@ void write_snapshot(Sink& sink, const C& cache, const ModelId& model_id, const S
                                                             {kMetaBlockLen, p.block_len},
                                                             {kMetaNumSequences, plan.seqs.size()}};
     for (const auto& [off, v] : fields) put(std::span<std::byte>(meta), off, v);
+    const bool pair = shape.value_dtype != shape.dtype;
     put(std::span<std::byte>(meta), kMetaFlags,
-        std::uint32_t{SnapshotTraits<C>::kTracksTokens ? kMetaFlagTokenIds : 0u});
+        std::uint32_t{(SnapshotTraits<C>::kTracksTokens ? kMetaFlagTokenIds : 0u) |
+                      (pair ? kMetaFlagValueDtype : 0u)});
+    if (pair) {
+      put(std::span<std::byte>(meta), kMetaValueDtype,
+          static_cast<std::uint32_t>(shape.value_dtype));
+    }
     put(std::span<std::byte>(meta), kMetaModelIdLen, static_cast<std::uint32_t>(model_id.size()));
     copy_bytes(meta.data() + kMetaModelId, model_id.bytes().data(), model_id.size());
     begin_section();
@@ -503,26 +512,41 @@ void write_snapshot(Sink& sink, const C& cache, const ModelId& model_id, const S
       put(std::span<std::byte>(kv), kKvHeld, s.layers[l].held());
       emit(kv);
       const auto view = cache.view(l, s.seq);
-      for (const bool values : {false, true}) {
+      // K rows, V rows, then a quantized side's scales laid out as the rows, each array at the
+      // offset kv_payload() gives (padding only where K and V differ in format)
+      const KVPayload at = kv_payload(shape.dtype, shape.value_dtype,
+                                      s.layers[l].held() * shape.num_kv_heads, shape.head_dim);
+      const std::uint64_t rows_begin = pos;
+      const auto pad_to = [&](std::uint64_t offset) {
+        emit(std::span<const std::byte>(kZeros).first(rows_begin + offset - pos));
+      };
+      const auto emit_side = [&](auto pick) {
         for (std::size_t h = 0; h < shape.num_kv_heads; ++h) {
           for (std::size_t i = 0; i < view.num_segments(); ++i) {
             const KVSegment<T> seg = view.segment(i);
-            const T* rows = (values ? seg.v : seg.k) + h * seg.head_stride;
-            emit(as_bytes_of(rows, seg.len * shape.head_dim));
+            emit(pick(seg, h));
           }
         }
+      };
+      const std::size_t d = shape.head_dim;
+      emit_side([&](const KVSegment<T>& seg, std::size_t h) {
+        return as_bytes_of(seg.k + h * seg.head_stride, seg.len * d);
+      });
+      pad_to(at.v);
+      emit_side([&](const KVSegment<T>& seg, std::size_t h) {
+        return as_bytes_of(seg.v + h * seg.head_stride, seg.len * d);
+      });
+      pad_to(at.k_scale);
+      if constexpr (scaled_v<key_format_t<T>>) {
+        emit_side([&](const KVSegment<T>& seg, std::size_t h) {
+          return as_bytes_of(seg.k_scale + h * seg.head_stride / d, seg.len);
+        });
       }
-      if constexpr (scaled_v<T>) {  // then the rows' scales, K then V, laid out as the rows
-        for (const bool values : {false, true}) {
-          for (std::size_t h = 0; h < shape.num_kv_heads; ++h) {
-            for (std::size_t i = 0; i < view.num_segments(); ++i) {
-              const KVSegment<T> seg = view.segment(i);
-              const scale_type* scales =
-                  (values ? seg.v_scale : seg.k_scale) + h * seg.head_stride / shape.head_dim;
-              emit(as_bytes_of(scales, seg.len));
-            }
-          }
-        }
+      pad_to(at.v_scale);
+      if constexpr (scaled_v<value_format_t<T>>) {
+        emit_side([&](const KVSegment<T>& seg, std::size_t h) {
+          return as_bytes_of(seg.v_scale + h * seg.head_stride / d, seg.len);
+        });
       }
       end_section(SectionKind::layer_kv);
     }
@@ -591,6 +615,11 @@ SnapshotInfo load_aligned(std::span<const std::byte> bytes, C& cache, const Mode
     fail<snapshot_mismatch_error>(name, m + kMetaDtype, "dtype ", dtype_name(p.dtype),
                                   " differs from the destination's ", dtype_name(shape.dtype));
   }
+  if (p.shape.value_dtype != shape.value_dtype) {
+    fail<snapshot_mismatch_error>(name, m + kMetaValueDtype, "V is stored in ",
+                                  dtype_name(p.shape.value_dtype), ", the destination's V in ",
+                                  dtype_name(shape.value_dtype));
+  }
   const std::pair<std::size_t, std::pair<std::size_t, std::size_t>> dims[] = {
       {kMetaNumLayers, {p.shape.num_layers, shape.num_layers}},
       {kMetaNumKvHeads, {p.shape.num_kv_heads, shape.num_kv_heads}},
@@ -657,20 +686,24 @@ SnapshotInfo load_aligned(std::span<const std::byte> bytes, C& cache, const Mode
                                       l, " ", why);
       }
       const std::size_t elems = static_cast<std::size_t>(st.held()) * row;
-      const T* k = reinterpret_cast<const T*>(bytes.data() + s.kv_offset[l]);
+      const std::size_t rows = static_cast<std::size_t>(st.held()) * shape.num_kv_heads;
+      // each array aligned for its type: the payload is 64-aligned, and kv_payload() keeps
+      // every array of a pair file at a multiple of 8 (of one format: sizes keep them aligned)
+      const std::byte* base = bytes.data() + s.kv_offset[l];
+      const KVPayload at = kv_payload(shape.dtype, shape.value_dtype, rows, shape.head_dim);
       LayerRestore<T>& e = entries.emplace_back();
       e.layer = l;
       e.seq = dest[i];
       e.length = st.length;
       e.sink_end = st.sink_end;
       e.recent_begin = st.recent_begin;
-      e.k = std::span<const T>(k, elems);
-      e.v = std::span<const T>(k + elems, elems);
-      if constexpr (scaled_v<T>) {  // the scales follow the codes (2-byte aligned: elems is even)
-        const auto* scales = reinterpret_cast<const scale_type*>(k + 2 * elems);
-        const std::size_t rows = static_cast<std::size_t>(st.held()) * shape.num_kv_heads;
-        e.k_scale = std::span<const scale_type>(scales, rows);
-        e.v_scale = std::span<const scale_type>(scales + rows, rows);
+      e.k = std::span(reinterpret_cast<const key_format_t<T>*>(base), elems);
+      e.v = std::span(reinterpret_cast<const value_format_t<T>*>(base + at.v), elems);
+      if constexpr (scaled_v<key_format_t<T>>) {
+        e.k_scale = std::span(reinterpret_cast<const scale_type*>(base + at.k_scale), rows);
+      }
+      if constexpr (scaled_v<value_format_t<T>>) {
+        e.v_scale = std::span(reinterpret_cast<const scale_type*>(base + at.v_scale), rows);
       }
     }
     if constexpr (Traits::kTracksTokens) {
@@ -738,7 +771,9 @@ SnapshotInfo load_snapshot_bytes(std::span<const std::byte> bytes, C& cache,
                                  const ModelId& model_id, const LoadOptions& options = {},
                                  const std::string& name = "<memory>") {
   using T = typename C::value_type;
-  if (reinterpret_cast<std::uintptr_t>(bytes.data()) % alignof(T) != 0) {
+  constexpr std::size_t align =
+      std::max({alignof(key_format_t<T>), alignof(value_format_t<T>), alignof(scale_type)});
+  if (reinterpret_cast<std::uintptr_t>(bytes.data()) % align != 0) {
     AlignedBuffer<std::byte> copy(bytes.size());
     std::copy(bytes.begin(), bytes.end(), copy.data());
     return detail::load_aligned(std::span<const std::byte>(copy.data(), copy.size()), cache,

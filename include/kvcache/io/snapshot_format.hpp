@@ -78,11 +78,15 @@ static_assert(std::endian::native == std::endian::little,
 ///    72    8  max_append_len   SlidingWindowCache (>= 1); else 0
 ///    80    8  block_len        PagedCache (>= 1): its block_size (tokens per block); else 0
 ///    88    4  flags            bit 0: token ids present (saved from a TokenTrackedCache or a
-///                              PagedCache; always set for PagedCache); other bits zero
+///                              PagedCache; always set for PagedCache); bit 1: V is stored in
+///                              value_dtype, another format than K's (a KVFormats<K, V> cache);
+///                              other bits zero
 ///    92    4  model_id_len     0..64
 ///    96   64  model_id         the caller's ModelId bytes, zero after model_id_len
 ///   160    8  num_sequences    number of SEQUENCE sections
-///   168   24  reserved         zero
+///   168    4  value_dtype      flags bit 1: V's format (DType numbering, not dtype); else 0
+///                              (V in dtype, as in every file written before K/V pairs)
+///   172   20  reserved         zero
 ///
 /// SEQUENCE payload, 16 + 24 * num_layers + 4 * num_token_ids bytes:
 ///     0    8  seq              index of the sequence in the saved cache (< max_batch, unique)
@@ -118,8 +122,10 @@ static_assert(std::endian::native == std::endian::little,
 ///                              file (the kind is required) rather than share the sequence's
 ///                              blocks with prompts of another key.
 ///
-/// LAYER_KV payload, 64 + 2 * num_kv_heads * held * row_bytes(dtype, head_dim) bytes (row_bytes:
-/// head_dim * dtype_bytes, plus 2 for int8 and fp8):
+/// LAYER_KV payload, 64 + num_kv_heads * held * (row_bytes(dtype, head_dim) + row_bytes(V's
+/// dtype, head_dim)) bytes (row_bytes: head_dim * dtype_bytes, plus 2 for int8 and fp8), plus, in
+/// a file whose V format differs from K's, the zero padding that starts each of its arrays at a
+/// multiple of 8 bytes (kv_payload()):
 ///     0    8  sequence_record  0-based index of the SEQUENCE section this layer belongs to
 ///     8    8  layer            0 .. num_layers - 1, in order
 ///    16    8  held             sink_end + length - recent_begin of that layer
@@ -130,7 +136,11 @@ static_assert(std::endian::native == std::endian::little,
 ///             starts 64-aligned, so K and V are 64-byte aligned in the file and in a mapping
 ///             of it. int8 and fp8 only: then the K rows' scales [num_kv_heads][held], then the
 ///             V rows', each a bfloat16 (a row's values are code x scale, core/format.hpp).
-///             Files of dtype 0-2 are laid out exactly as before these formats existed.
+///             Files of dtype 0-2 are laid out exactly as before these formats existed. With
+///             K and V in different formats (META flags bit 1): K rows in dtype, V rows in
+///             value_dtype, then the K scales if K is int8 or fp8, then the V scales if V is;
+///             each of these arrays starts at a multiple of 8 bytes from the K rows (zero
+///             padding in between), so each is aligned for its type in a mapping.
 namespace kvcache {
 
 /// Which cache policy wrote a snapshot (META.policy). Stable numbering.
@@ -185,6 +195,7 @@ inline constexpr std::size_t kExtraKeyBytes = 8;
 inline constexpr std::size_t kModelIdMaxBytes = 64;
 inline constexpr std::uint32_t kFlagOptional = 1;
 inline constexpr std::uint32_t kMetaFlagTokenIds = 1;
+inline constexpr std::uint32_t kMetaFlagValueDtype = 2;
 inline constexpr std::uint64_t kMaxCount = std::uint64_t{1} << 63;  // u64 fields stay below
 
 // Header field offsets.
@@ -200,7 +211,7 @@ inline constexpr std::size_t kMetaPolicy = 0, kMetaDtype = 4, kMetaNumLayers = 8
                              kMetaMaxSeqLen = 40, kMetaChunkLen = 48, kMetaWindow = 56,
                              kMetaNumSinks = 64, kMetaMaxAppendLen = 72, kMetaBlockLen = 80,
                              kMetaFlags = 88, kMetaModelIdLen = 92, kMetaModelId = 96,
-                             kMetaNumSequences = 160, kMetaReserved = 168;
+                             kMetaNumSequences = 160, kMetaValueDtype = 168, kMetaReserved = 172;
 // SEQUENCE and LAYER_KV field offsets.
 inline constexpr std::size_t kSeqIndex = 0, kSeqNumTokenIds = 8, kSeqLayers = 16;
 inline constexpr std::size_t kKvRecord = 0, kKvLayer = 8, kKvHeld = 16, kKvReserved = 24;
@@ -261,7 +272,7 @@ struct Sequence {
   std::uint64_t exact_prefix = std::numeric_limits<std::uint64_t>::max();
   /// From an EXTRA_KEY section; 0 (none) without one.
   std::uint64_t extra_key = 0;
-  std::vector<std::uint64_t> kv_offset;  // per layer: file offset of K (V follows K)
+  std::vector<std::uint64_t> kv_offset;  // per layer: file offset of K (kv_payload() for the rest)
 
   /// File offset of layer l's 24-byte state.
   [[nodiscard]] std::uint64_t layer_state_offset(std::size_t l) const noexcept {
@@ -273,13 +284,36 @@ struct Sequence {
 struct Parsed {
   std::uint64_t meta_offset = 0;
   SnapshotPolicy policy{};
-  DType dtype{};
+  DType dtype{};  ///< K's (and V's, unless shape.value_dtype differs)
   CacheShape shape;
   SnapshotParams params;
   bool has_token_ids = false;
   std::span<const std::byte> model_id;
   std::vector<Sequence> sequences;
 };
+
+/// Byte offsets, from the K rows of a LAYER_KV payload, of its other arrays, and its size: for
+/// `rows` rows (num_kv_heads x held) of head_dim elements of K in `k` and V in `v`. One format:
+/// back to back (V, K scales, V scales: the layout of every file before K/V pairs). Two: each
+/// array present from a multiple of 8 bytes (a side that is not quantized has no scales: its
+/// offset is where they would start, with no padding). @pre rows x (both rows' bytes) + 24 fits in
+/// uint64 (parse() bounds it below 2^63 first).
+struct KVPayload {
+  std::uint64_t v = 0, k_scale = 0, v_scale = 0, end = 0;
+};
+[[nodiscard]] constexpr KVPayload kv_payload(DType k, DType v, std::uint64_t rows,
+                                             std::uint64_t head_dim) noexcept {
+  const bool pair = k != v;
+  const auto next = [pair](std::uint64_t at) { return pair ? (at + 7) / 8 * 8 : at; };
+  KVPayload out;
+  out.v = next(rows * head_dim * dtype_bytes(k));
+  const std::uint64_t v_end = out.v + rows * head_dim * dtype_bytes(v);
+  out.k_scale = dtype_scaled(k) ? next(v_end) : v_end;
+  const std::uint64_t k_scale_end = out.k_scale + (dtype_scaled(k) ? rows * 2 : 0);
+  out.v_scale = dtype_scaled(v) ? next(k_scale_end) : k_scale_end;
+  out.end = out.v_scale + (dtype_scaled(v) ? rows * 2 : 0);
+  return out;
+}
 
 namespace detail {
 
@@ -530,10 +564,23 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
     fail<snapshot_format_error>(name, m + kMetaWindow, "window + max_append_len overflows");
   }
   const auto flags = get<std::uint32_t>(bytes, m + kMetaFlags);
-  if ((flags & ~kMetaFlagTokenIds) != 0) {
+  if ((flags & ~(kMetaFlagTokenIds | kMetaFlagValueDtype)) != 0) {
     fail<snapshot_format_error>(name, m + kMetaFlags, "unknown META flags ", detail::hex32(flags));
   }
   out.has_token_ids = (flags & kMetaFlagTokenIds) != 0;
+  const auto value_dtype = get<std::uint32_t>(bytes, m + kMetaValueDtype);
+  if ((flags & kMetaFlagValueDtype) != 0) {
+    if (value_dtype > 4 || value_dtype == dtype) {
+      fail<snapshot_format_error>(name, m + kMetaValueDtype, "value_dtype ", value_dtype,
+                                  value_dtype > 4
+                                      ? " is unknown (0 f32, 1 f16, 2 bf16, 3 int8, 4 fp8)"
+                                      : " equals dtype (META flags bit 1 means it differs)");
+    }
+    out.shape.value_dtype = static_cast<DType>(value_dtype);
+  } else if (value_dtype != 0) {
+    fail<snapshot_format_error>(name, m + kMetaValueDtype, "value_dtype ", value_dtype,
+                                " without META flags bit 1 (must be 0)");
+  }
   if (is_paged && !out.has_token_ids) {
     fail<snapshot_format_error>(name, m + kMetaFlags, "META flags ", detail::hex32(flags),
                                 " lack bit 0 (token ids), which a PagedCache snapshot always has");
@@ -560,11 +607,13 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
                                 " sections");
   }
   // K and V of one position: the elements, plus a scale per row for int8 and fp8.
-  const std::uint64_t head_row =
-      detail::mul_count(name, m + kMetaHeadDim, head_dim, dtype_bytes(out.dtype), "row bytes") +
-      (dtype_scaled(out.dtype) ? 2 : 0);
-  const std::uint64_t token_bytes =
-      detail::mul_count(name, m + kMetaHeadDim, heads, head_row, "K/V bytes per position");
+  const auto side_row = [&](DType d) {
+    return detail::mul_count(name, m + kMetaHeadDim, head_dim, dtype_bytes(d), "row bytes") +
+           (dtype_scaled(d) ? 2 : 0);
+  };
+  const std::uint64_t token_bytes = detail::mul_count(
+      name, m + kMetaHeadDim, heads, side_row(out.dtype) + side_row(out.shape.value_dtype),
+      "K/V bytes per position");
 
   // SEQUENCE and LAYER_KV sections.
   out.sequences.reserve(num_sequences);
@@ -669,9 +718,10 @@ inline void check_zero(const std::string& name, std::span<const std::byte> bytes
       const std::uint64_t held = seq.layers[l].held();
       const std::uint64_t elems =
           detail::mul_count(name, k + kKvHeld, 2 * held, row_elems, "LAYER_KV elements");
-      const std::uint64_t data =
-          detail::mul_count(name, k + kKvHeld, 2 * held, token_bytes, "LAYER_KV bytes");
+      (void)detail::mul_count(name, k + kKvHeld, held, token_bytes, "LAYER_KV bytes");
       (void)elems;  // checked first: the element count must fit too
+      const std::uint64_t data =
+          kv_payload(out.dtype, out.shape.value_dtype, held * heads, head_dim).end;
       if (ks.size < kLayerKvHeaderBytes || ks.size - kLayerKvHeaderBytes != data) {
         fail<snapshot_format_error>(name, k, "LAYER_KV of sequence ", seq.seq, " layer ", l, " is ",
                                     ks.size, " bytes, expected ", kLayerKvHeaderBytes, " + ", data,
