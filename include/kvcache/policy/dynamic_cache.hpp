@@ -43,7 +43,7 @@ struct DynamicCacheConfig {
 /// K [num_kv_heads][chunk_len][head_dim] then V of the same shape. Appending n tokens costs
 /// O(n * num_kv_heads * head_dim) plus one allocation per chunk_len tokens; cached tokens are
 /// never moved, so views of earlier positions stay cheap and the growth is amortised O(1) per
-/// token without the 2x transient of a doubling vector.
+/// token without the 2x transient of a doubling vector. T: any storage format, or KVFormats<K, V>.
 template <KVFormat T>
 class DynamicCache {
  public:

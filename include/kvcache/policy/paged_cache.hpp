@@ -95,6 +95,7 @@ using PagedView = LayoutView<T>;
 /// check_consistency() needs no concurrent mutation. K/V rows are written and copied outside the
 /// manager's lock, only into blocks the writing sequence holds alone. A view is valid until the
 /// next mutating call on its own sequence; other sequences' operations never invalidate it.
+/// T: any storage format, or KVFormats<K, V> (K and V then in two pools: layer_pool()).
 template <KVFormat T, BlockHasher Hasher = DefaultBlockHasher>
 class PagedCache {
  public:

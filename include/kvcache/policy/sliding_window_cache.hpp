@@ -42,6 +42,7 @@ struct SlidingWindowCacheConfig {
 /// (p - num_sink_tokens) % ring_len(). After appending n <= max_append_len tokens every query
 /// among them still finds its whole window in the cache, and crop() can roll back up to
 /// max_append_len tokens below the longest length reached (can_crop() states it exactly).
+/// T: any storage format, or KVFormats<K, V>.
 template <KVFormat T>
 class SlidingWindowCache {
  public:

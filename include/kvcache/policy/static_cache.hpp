@@ -26,8 +26,9 @@ struct StaticCacheConfig {
 
 /// Fixed-capacity cache: one contiguous [num_kv_heads][max_seq_len][head_dim] K array and one V
 /// array per (layer, sequence), of any storage format T (float, half, bfloat16, or qint8 /
-/// fp8_e4m3 codes with a scale per row). memory_bytes() == kv_cache_bytes(shape, max_seq_len,
-/// max_batch) from construction on; append, crop and reset never allocate.
+/// fp8_e4m3 codes with a scale per row), or K in one format and V in another (KVFormats<K, V>).
+/// memory_bytes() == kv_cache_bytes(shape, max_seq_len, max_batch) from construction on; append,
+/// crop and reset never allocate.
 template <KVFormat T>
 class StaticCache {
  public:
