@@ -144,8 +144,7 @@ class KVRows {
   KVRows() noexcept = default;
   /// @throws capacity_error if the size overflows, std::bad_alloc. @pre head_dim >= 1.
   KVRows(std::size_t num_slabs, std::size_t slab_rows, std::size_t head_dim)
-      : v_offset_(kOneFormat ? detail::checked_mul(slab_rows, head_dim, "KVRows") : 0),
-        slab_stride_(
+      : slab_stride_(
             detail::checked_mul(kOneFormat ? 2 * slab_rows : slab_rows, head_dim, "KVRows")) {
     const std::size_t rows = detail::checked_mul(num_slabs, slab_rows, "KVRows");
     k_ = RowBuffer<key_type>(kOneFormat ? detail::checked_mul(rows, 2, "KVRows") : rows, head_dim);
@@ -161,14 +160,14 @@ class KVRows {
   /// The V row of the K row at `at`.
   [[nodiscard]] value_type* v(std::size_t at) noexcept {
     if constexpr (kOneFormat) {
-      return k_.data() + at + v_offset_;
+      return k_.data() + at + v_offset();
     } else {
       return v_.data() + at;
     }
   }
   [[nodiscard]] const value_type* v(std::size_t at) const noexcept {
     if constexpr (kOneFormat) {
-      return k_.data() + at + v_offset_;
+      return k_.data() + at + v_offset();
     } else {
       return v_.data() + at;
     }
@@ -179,14 +178,14 @@ class KVRows {
   /// The scale of the V row of the K row at `at`; null when V is not quantized.
   [[nodiscard]] scale_type* v_scale(std::size_t at) noexcept {
     if constexpr (kOneFormat) {
-      return k_.scale_at(at + v_offset_);
+      return k_.scale_at(at + v_offset());
     } else {
       return v_.scale_at(at);
     }
   }
   [[nodiscard]] const scale_type* v_scale(std::size_t at) const noexcept {
     if constexpr (kOneFormat) {
-      return k_.scale_at(at + v_offset_);
+      return k_.scale_at(at + v_offset());
     } else {
       return v_.scale_at(at);
     }
@@ -201,9 +200,11 @@ class KVRows {
  private:
   static constexpr bool kOneFormat = std::is_same_v<key_type, value_type>;
 
+  // One format: elements from a K row to its V row, the second half of the slab.
+  [[nodiscard]] std::size_t v_offset() const noexcept { return slab_stride_ / 2; }
+
   RowBuffer<key_type> k_;    // one format: both sides
   RowBuffer<value_type> v_;  // a pair: the V side; one format: empty
-  std::size_t v_offset_ = 0;
   std::size_t slab_stride_ = 0;
 };
 

@@ -175,9 +175,9 @@ template <KVFormat F>
   return out;
 }
 
-/// The bases of one format's K and V in one allocation whose slabs are [K, V][kv_head]
-/// [slot_rows / num_kv_heads][head_dim] (each slab its K rows, then as many V rows), from `base`;
-/// `scales` (a quantized format's, laid out as the rows) or null.
+/// The bases of one format's K and V in one allocation whose slabs are `slab_rows` K rows of
+/// head_dim elements, then as many V rows ([K, V][kv_head][...][head_dim]), from `base`; `scales`
+/// (a quantized format's, laid out as the rows) or null.
 template <KVElement T>
 [[nodiscard]] constexpr KVBases<T> interleaved_bases(const T* base, std::int64_t slab_rows,
                                                      int head_dim,

@@ -121,14 +121,7 @@ void check_restore_entries(const char* cache, std::span<const LayerRestore<T>> e
           cache, ": restore entry ", i, " holds ", held, " positions, so K and V need ", held,
           " x ", row, " elements each, but got ", e.k.size(), " and ", e.v.size()));
     }
-    if constexpr (QuantizedElement<T>) {  // one format: K and V scales alike
-      const std::size_t scales = held * shape.num_kv_heads;
-      if (e.k_scale.size() != scales || e.v_scale.size() != scales) {
-        throw shape_error(detail::message(
-            cache, ": restore entry ", i, " of ", dtype_name(shape.dtype), " rows needs ", scales,
-            " K and V scales, but got ", e.k_scale.size(), " and ", e.v_scale.size()));
-      }
-    } else if constexpr (has_row_scales_v<T>) {  // a pair: each side's own
+    if constexpr (has_row_scales_v<T>) {  // a quantized side's scales, one per row; none else
       using K = key_format_t<T>;
       using V = value_format_t<T>;
       const std::size_t k_scales = scaled_v<K> ? held * shape.num_kv_heads : 0;

@@ -64,10 +64,8 @@ class DynamicCache {
     detail::require_nonzero(config.max_batch, kName, "max_batch");
     detail::require_nonzero(config.chunk_len, kName, "chunk_len");
     chunk_rows_ = detail::checked_mul(chunk_len_, shape_.num_kv_heads, "DynamicCache chunk");
-    chunk_bytes_ = detail::checked_mul(chunk_rows_,
-                                       row_bytes(dtype_of<key_format_t<T>>, shape_.head_dim) +
-                                           row_bytes(dtype_of<value_format_t<T>>, shape_.head_dim),
-                                       "DynamicCache chunk");
+    chunk_bytes_ =
+        kv_cache_bytes(cache_shape<T>(1, shape_.num_kv_heads, shape_.head_dim), chunk_len_);
     slots_.resize(shape_.num_layers * max_batch_);
   }
 

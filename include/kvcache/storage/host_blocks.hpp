@@ -16,9 +16,10 @@
 namespace kvcache {
 
 /// num_blocks blocks of block_size tokens of every layer, in 64-byte-aligned storage (KVRows, a
-/// slab per block of a layer) laid out [layer][block][K, V][kv_head][block_size][head_dim]: a
-/// layer's blocks form one array (what a GPU kernel takes with a block table), a block's K and V
-/// of one layer are block_elems() elements, and a segment's heads are block_size * head_dim apart.
+/// slab per block of a layer) laid out [layer][block][K, V][kv_head][block_size][head_dim] for one
+/// format, and [layer][block][kv_head][block_size][head_dim] on each side for a KVFormats pair: a
+/// layer's blocks form one array (what a GPU kernel takes with a block table; layer_bases()), and
+/// a segment's heads are block_size * head_dim apart.
 /// Knows nothing of tables or sequences: the caller names blocks. Not thread-safe by itself:
 /// concurrent calls must touch different blocks (BlockManager's rules guarantee it).
 template <KVFormat T>
