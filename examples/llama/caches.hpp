@@ -148,54 +148,71 @@ struct CacheParams {
   }
 };
 
-/// Builds a cache of policy `kind` storing T (p.format is not read), shaped for `model`, and
-/// returns f(cache). paged with max_seq_len 0 is sized for the model's seq_len.
-/// Every branch instantiates f for its policy and format, so f must be generic (auto&) and
-/// return the same type for each. @throws what the policy's constructor throws (shape_error,
-/// bad_alloc).
-template <kvcache::KVElement T, class F>
-decltype(auto) with_cache_as(CacheKind kind, const Model& model, const CacheParams& p, F&& f) {
+/// A cache of policy kKind (StaticCache, SlidingWindowCache, PagedCache or DynamicCache) storing
+/// T, shaped for `model` with the fields of `p` that policy reads (p.format is not read); paged
+/// with max_seq_len 0 is sized for the model's seq_len.
+/// @throws what the policy's constructor throws (shape_error, bad_alloc).
+template <CacheKind kKind, kvcache::KVElement T>
+[[nodiscard]] auto make_cache(const Model& model, const CacheParams& p) {
   const ModelConfig& c = model.config();
-  switch (kind) {
-    case CacheKind::static_cache: {
-      kvcache::StaticCache<T> cache({.num_layers = c.num_layers,
+  if constexpr (kKind == CacheKind::static_cache) {
+    return kvcache::StaticCache<T>({.num_layers = c.num_layers,
+                                    .num_kv_heads = c.num_kv_heads,
+                                    .head_dim = c.head_dim(),
+                                    .max_batch = p.max_batch,
+                                    .max_seq_len = p.max_seq_len});
+  } else if constexpr (kKind == CacheKind::sliding) {
+    return kvcache::SlidingWindowCache<T>({.num_layers = c.num_layers,
+                                           .num_kv_heads = c.num_kv_heads,
+                                           .head_dim = c.head_dim(),
+                                           .max_batch = p.max_batch,
+                                           .window = p.window,
+                                           .num_sink_tokens = p.num_sink_tokens,
+                                           .max_append_len = p.max_append_len});
+  } else if constexpr (kKind == CacheKind::paged) {
+    const std::size_t seq_len =
+        std::max<std::size_t>(1, p.max_seq_len != 0 ? p.max_seq_len : c.seq_len);
+    return kvcache::PagedCache<T>({.num_layers = c.num_layers,
+                                   .num_kv_heads = c.num_kv_heads,
+                                   .head_dim = c.head_dim(),
+                                   .num_blocks = p.paged_num_blocks(seq_len),
+                                   .block_size = p.block_size,
+                                   .max_batch = p.max_batch,
+                                   .max_seq_len = seq_len,
+                                   .evict_when_full = true});
+  } else {
+    static_assert(kKind == CacheKind::dynamic);
+    return kvcache::DynamicCache<T>({.num_layers = c.num_layers,
                                      .num_kv_heads = c.num_kv_heads,
                                      .head_dim = c.head_dim(),
                                      .max_batch = p.max_batch,
-                                     .max_seq_len = p.max_seq_len});
+                                     .max_seq_len = p.max_seq_len,
+                                     .chunk_len = p.chunk_len});
+  }
+}
+
+/// Builds a cache of policy `kind` storing T (make_cache) and returns f(cache).
+/// Every branch instantiates f for its policy and format, so f must be generic (auto&) and
+/// return the same type for each (a caller that needs one policy only: make_cache).
+/// @throws as make_cache.
+template <kvcache::KVElement T, class F>
+decltype(auto) with_cache_as(CacheKind kind, const Model& model, const CacheParams& p, F&& f) {
+  switch (kind) {
+    case CacheKind::static_cache: {
+      auto cache = make_cache<CacheKind::static_cache, T>(model, p);
       return f(cache);
     }
     case CacheKind::sliding: {
-      kvcache::SlidingWindowCache<T> cache({.num_layers = c.num_layers,
-                                            .num_kv_heads = c.num_kv_heads,
-                                            .head_dim = c.head_dim(),
-                                            .max_batch = p.max_batch,
-                                            .window = p.window,
-                                            .num_sink_tokens = p.num_sink_tokens,
-                                            .max_append_len = p.max_append_len});
+      auto cache = make_cache<CacheKind::sliding, T>(model, p);
       return f(cache);
     }
     case CacheKind::paged: {
-      const std::size_t seq_len =
-          std::max<std::size_t>(1, p.max_seq_len != 0 ? p.max_seq_len : c.seq_len);
-      kvcache::PagedCache<T> cache({.num_layers = c.num_layers,
-                                    .num_kv_heads = c.num_kv_heads,
-                                    .head_dim = c.head_dim(),
-                                    .num_blocks = p.paged_num_blocks(seq_len),
-                                    .block_size = p.block_size,
-                                    .max_batch = p.max_batch,
-                                    .max_seq_len = seq_len,
-                                    .evict_when_full = true});
+      auto cache = make_cache<CacheKind::paged, T>(model, p);
       return f(cache);
     }
     case CacheKind::dynamic:
     default: {
-      kvcache::DynamicCache<T> cache({.num_layers = c.num_layers,
-                                      .num_kv_heads = c.num_kv_heads,
-                                      .head_dim = c.head_dim(),
-                                      .max_batch = p.max_batch,
-                                      .max_seq_len = p.max_seq_len,
-                                      .chunk_len = p.chunk_len});
+      auto cache = make_cache<CacheKind::dynamic, T>(model, p);
       return f(cache);
     }
   }

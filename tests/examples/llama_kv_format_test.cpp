@@ -56,27 +56,30 @@ TEST_CASE("stories260K: greedy tokens with int8 and fp8 K/V against the f32 cach
     params.max_seq_len = tokens;
     return params;
   };
+  // The demo's format switch (with_kv_format) over StaticCache alone: with_cache would compile
+  // each lambda for every policy too.
   auto generate = [&](DType format, const std::vector<token_id>& prompt) {
-    return llama::with_cache(
-        llama::CacheKind::static_cache, model, params_for(format, prompt.size() + kSteps),
-        [&](auto& raw) {
-          TokenTrackedCache tracked(std::move(raw));
-          llama::Sampler greedy;
-          return llama::generate(engine, tracked, 0, prompt, limits, greedy).tokens;
-        });
+    return llama::with_kv_format(format, [&](auto t) {
+      TokenTrackedCache tracked(
+          llama::make_cache<llama::CacheKind::static_cache, typename decltype(t)::type>(
+              model, params_for(format, prompt.size() + kSteps)));
+      llama::Sampler greedy;
+      return llama::generate(engine, tracked, 0, prompt, limits, greedy).tokens;
+    });
   };
   auto forced = [&](DType format, const std::vector<token_id>& prompt,
                     const std::vector<token_id>& run) {
-    return llama::with_cache(llama::CacheKind::static_cache, model,
-                             params_for(format, prompt.size() + kSteps + 1), [&](auto& cache) {
-                               std::size_t agree = 0;
-                               std::span<const float> logits = engine.forward(cache, 0, prompt);
-                               for (std::size_t i = 0; i < run.size(); ++i) {
-                                 agree += llama::Sampler::argmax(logits) == run[i] ? 1 : 0;
-                                 logits = engine.forward(cache, 0, std::span(&run[i], 1));
-                               }
-                               return agree;
-                             });
+    return llama::with_kv_format(format, [&](auto t) {
+      auto cache = llama::make_cache<llama::CacheKind::static_cache, typename decltype(t)::type>(
+          model, params_for(format, prompt.size() + kSteps + 1));
+      std::size_t agree = 0;
+      std::span<const float> logits = engine.forward(cache, 0, prompt);
+      for (std::size_t i = 0; i < run.size(); ++i) {
+        agree += llama::Sampler::argmax(logits) == run[i] ? 1 : 0;
+        logits = engine.forward(cache, 0, std::span(&run[i], 1));
+      }
+      return agree;
+    });
   };
   const DType formats[] = {DType::f32, DType::f16, DType::bf16, DType::i8, DType::e4m3};
   std::size_t agree[5] = {};
