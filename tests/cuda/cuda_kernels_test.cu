@@ -72,7 +72,7 @@ kcuda::DeviceBuffer<T> upload(const std::vector<T>& host) {
 }
 
 // Host copy of DeviceKVView::row_offset (same formula, for reading downloaded storage).
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 std::int64_t host_row_offset(const kcuda::DeviceKVView<T>& v,
                              const std::vector<kvcache::block_id>& table, int seq, int head,
                              std::int64_t pos) {
@@ -125,7 +125,7 @@ std::vector<float> stored_row(const T* base, const kvcache::scale_type* scales, 
 
 // The CPU counterpart: a sliding window for ring, a static cache otherwise (paged storage holds
 // the same logical tokens as a contiguous one).
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 struct CpuTwin {
   // unique_ptr rather than optional: g++ 12 at -O1 warns (maybe-uninitialized) about the latter
   std::unique_ptr<StaticCache<T>> flat;
@@ -162,7 +162,7 @@ struct CpuTwin {
 
 // Fills both caches with the same random tokens for every sequence (random lengths, appended in
 // random chunks batched over sequences), returning each sequence's token data per layer.
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 std::vector<std::vector<kvcache::test::TokenKV>> fill(kcuda::DeviceCache<T>& dev, CpuTwin<T>& cpu,
                                                       const Twin& t, std::mt19937_64& rng,
                                                       const std::vector<std::size_t>& lengths) {
@@ -203,6 +203,18 @@ std::vector<std::vector<kvcache::test::TokenKV>> fill(kcuda::DeviceCache<T>& dev
   return data;
 }
 
+// K/V format pairs: the quantized side V or K, a 16-bit side in its own operand, codes on both
+// sides, and two 16-bit types (prefill on tf32 tiles).
+using HalfInt8 = kvcache::KVFormats<kvcache::half, kvcache::qint8>;
+using Fp8Bf16 = kvcache::KVFormats<kvcache::fp8_e4m3, bfloat16>;
+using Int8Fp8 = kvcache::KVFormats<kvcache::qint8, kvcache::fp8_e4m3>;
+using HalfBf16 = kvcache::KVFormats<kvcache::half, bfloat16>;
+
+// int8, fp8 and the pairs: decode reads them on the CUDA-core kernel, whose arithmetic the
+// float cases check; fewer cases add the reading of their codes, scales and sides.
+template <class T>
+inline constexpr bool kQuantizedOrPair = kcuda::kCudaCoreDecode<T> && !std::is_same_v<T, float>;
+
 const kcuda::Layout kLayouts[] = {kcuda::Layout::contiguous, kcuda::Layout::ring,
                                   kcuda::Layout::paged};
 
@@ -213,8 +225,8 @@ Tolerance decode_tolerance() {
 template <class T>
 Tolerance prefill_tolerance() {
   // q and p are rounded to the tensor-core operand type (fp16, bf16, or tf32 for float; fp16
-  // for int8 and fp8, whose codes are fp16 values)
-  if constexpr (std::is_same_v<T, bfloat16>) return {3e-2, 3e-2};
+  // for int8 and fp8, whose codes are fp16 values; a pair's: prefill_operand_t)
+  if constexpr (std::is_same_v<kcuda::detail::prefill_operand_t<T>, bfloat16>) return {3e-2, 3e-2};
   return {1e-2, 1e-2};
 }
 
@@ -222,7 +234,7 @@ Tolerance prefill_tolerance() {
 
 // Compares every stored K/V element of `dev` with the CPU twin's; returns how many differ and
 // describes the first.
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 std::size_t count_mismatches(const kcuda::DeviceCache<T>& dev, const CpuTwin<T>& cpu, const Twin& t,
                              std::string& first_mismatch) {
   std::size_t mismatches = 0;
@@ -264,7 +276,7 @@ std::size_t count_mismatches(const kcuda::DeviceCache<T>& dev, const CpuTwin<T>&
 
 // Fills a DeviceCache and its CPU twin with the same tokens and CHECKs (so that the other
 // layouts are still compared and reported) that every stored element matches.
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 void check_append(const Twin& t, const std::vector<std::size_t>& lengths, std::mt19937_64& rng) {
   kcuda::DeviceCache<T> dev(device_config(t));
   CpuTwin<T> cpu(t);
@@ -277,7 +289,7 @@ void check_append(const Twin& t, const std::vector<std::size_t>& lengths, std::m
 }
 
 TEMPLATE_TEST_CASE("CUDA append stores exactly what the CPU cache stores", "[cuda]", float,
-                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
+                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3, HalfInt8, Fp8Bf16) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-append");
   for (kcuda::Layout layout : kLayouts) {
@@ -298,7 +310,7 @@ TEST_CASE("CUDA append of a batch wider than one launch stores every sequence", 
 }
 
 TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda][decode]", float,
-                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
+                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3, HalfInt8, Fp8Bf16) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-decode");
   struct Case {
@@ -318,14 +330,15 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda][dec
   // head_dim, chunked and unchunked groups, both position modes on the ring, every layout and
   // length; the memory errors it looks for do not depend on the other groups' arithmetic, which
   // the plain build checks.
-  // int8 and fp8 run on the fp32 kernel (its other cases check its arithmetic); these cases add
-  // the reading of codes and scales at every head_dim, group chunking and position mode.
+  // int8, fp8 and the pairs run on the fp32 kernel (its other cases check its arithmetic); these
+  // cases add the reading of codes, scales and sides at every head_dim, group chunking and
+  // position mode.
 #if defined(__SANITIZE_ADDRESS__)
   const std::vector<std::size_t> picked{0, 1, 3};
 #else
   std::vector<std::size_t> picked(all_cases.size());
   for (std::size_t i = 0; i < picked.size(); ++i) picked[i] = i;
-  if constexpr (kvcache::scaled_v<TestType>) picked = {0, 1, 3};
+  if constexpr (kQuantizedOrPair<TestType>) picked = {0, 1, 3};
 #endif
   // long: several splits (and sequences with no keys in most of them), 1 and odd lengths, a
   // block boundary; short: one split, the output written without the merge kernel
@@ -480,16 +493,18 @@ TEMPLATE_TEST_CASE("CUDA decode on tensor cores keeps q's low bits", "[cuda]", k
 }
 
 TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda][prefill]", float,
-                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
+                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3, HalfInt8, Fp8Bf16,
+                   Int8Fp8, HalfBf16) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-prefill");
+  using Operand = kcuda::detail::prefill_operand_t<TestType>;
   for (kcuda::Layout layout : kLayouts) {
 #if defined(__SANITIZE_ADDRESS__)
     // int8/fp8 under AddressSanitizer (5x slower): the paged layout; the plain build runs all
-    if (kvcache::scaled_v<TestType> && layout != kcuda::Layout::paged) continue;
+    if (kQuantizedOrPair<TestType> && layout != kcuda::Layout::paged) continue;
 #endif
-    // 256: one K/V buffer for fp16/bf16 (float rejects it), as for float at 128
-    const std::vector<std::size_t> dims = std::is_same_v<TestType, float>
+    // 256: one K/V buffer for fp16/bf16 (tf32 tiles reject it), as for tf32 tiles at 128
+    const std::vector<std::size_t> dims = std::is_same_v<Operand, float>
                                               ? std::vector<std::size_t>{64, 128}
                                               : std::vector<std::size_t>{64, 128, 256};
     for (std::size_t dim : dims) {

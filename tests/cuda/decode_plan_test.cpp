@@ -83,4 +83,24 @@ TEST_CASE("decode plan from a setup: the workspace is host arithmetic, setups ch
   require_throws<kvcache::shape_error>(
       [&] { (void)kcuda::decode_workspace_bytes<kvcache::bfloat16>(h200, 32, 32, 8, 128, 4096); },
       "DecodeSetup for f16", "used for bf16");
+  // a K/V pair's setup names both formats: int8 keys' setup does not size int8 keys with f16
+  // values (their V tiles are twice as large), nor the reverse; pairs take the CUDA-core kernel
+  using Int8Half = kvcache::KVFormats<kvcache::qint8, kvcache::half>;
+  kcuda::DecodeSetup int8 = h200;
+  int8.dtype = kvcache::DType::i8;
+  int8.kernel = kcuda::DecodeKernel::cuda_cores;
+  require_throws<kvcache::shape_error>(
+      [&] { (void)kcuda::decode_workspace_bytes<Int8Half>(int8, 32, 32, 8, 128, 4096); },
+      "DecodeSetup for int8", "used for K int8 + V f16");
+  kcuda::DecodeSetup pair = int8;
+  pair.value_dtype = kvcache::DType::f16;
+  REQUIRE(kcuda::decode_workspace_bytes<Int8Half>(pair, 32, 32, 8, 128, 4096) ==
+          plan.workspace_bytes(32, 32, 128));
+  require_throws<kvcache::shape_error>(
+      [&] { (void)kcuda::decode_workspace_bytes<kvcache::qint8>(pair, 32, 32, 8, 128, 4096); },
+      "DecodeSetup for K int8 + V f16", "used for int8");
+  pair.kernel = kcuda::DecodeKernel::tensor_cores;
+  require_throws<kvcache::shape_error>(
+      [&] { (void)kcuda::decode_workspace_bytes<Int8Half>(pair, 32, 32, 8, 128, 4096); },
+      "does not serve K int8 + V f16");
 }

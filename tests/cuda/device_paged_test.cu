@@ -61,7 +61,7 @@ std::vector<float> stored_values(const float* in) {
   return row_values(codes.data(), &scale);
 }
 
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 struct Pair {
   std::size_t num_blocks;
   bool twin = true;
@@ -128,25 +128,38 @@ struct Pair {
   }
 
   // Every row every sequence holds on the device, read through the device's block table, is
-  // the K/V of its ids (every append here carries ids), as T stores it; for int8 and fp8 the
-  // scales too, which copy-on-write copies with the codes.
+  // the K/V of its ids (every append here carries ids), as T stores it (a pair: K in its K
+  // format, V in its V format); for int8 and fp8 the scales too, which copy-on-write copies with
+  // the codes.
   void check_rows() const {
+    using K = kvcache::key_format_t<T>;
+    using V = kvcache::value_format_t<T>;
     const auto& m = dev.paged();
     for (std::size_t l = 0; l < kLayers; ++l) {
       const auto v = dev.view(l);
-      const std::size_t elems = static_cast<std::size_t>(v.block_stride) * num_blocks;
-      std::vector<T> pool(elems);
-      kcuda::check(cudaMemcpy(pool.data(), v.k, elems * sizeof(T), cudaMemcpyDeviceToHost),
-                   "download pool");
-      std::vector<kvcache::scale_type> scales(kvcache::scaled_v<T> ? elems / kDim : 0);
-      if constexpr (kvcache::scaled_v<T>) {
-        kcuda::check(
-            cudaMemcpy(scales.data(), v.k_scale, scales.size() * 2, cudaMemcpyDeviceToHost),
-            "download scales");
-      }
-      const auto at = [&](std::size_t row) {
-        return row_values(pool.data() + row, scales.empty() ? nullptr : scales.data() + row / kDim);
+      // one side's rows of every block (a one-format pool interleaves K and V in each block:
+      // its V side ends half a block before the pool)
+      const std::size_t elems =
+          static_cast<std::size_t>(v.block_stride) * (num_blocks - 1) + kHeads * kBlock * kDim;
+      const auto side = [&](const auto* rows, const kvcache::scale_type* scale_ptr) {
+        using S = std::remove_cvref_t<decltype(*rows)>;
+        auto pool = std::make_shared<std::vector<S>>(elems);
+        kcuda::check(cudaMemcpy(pool->data(), rows, elems * sizeof(S), cudaMemcpyDeviceToHost),
+                     "download pool");
+        auto scales = std::make_shared<std::vector<kvcache::scale_type>>(
+            kvcache::scaled_v<S> ? elems / kDim : 0);
+        if constexpr (kvcache::scaled_v<S>) {
+          kcuda::check(
+              cudaMemcpy(scales->data(), scale_ptr, scales->size() * 2, cudaMemcpyDeviceToHost),
+              "download scales");
+        }
+        return [pool, scales](std::size_t row) {
+          return row_values(pool->data() + row,
+                            scales->empty() ? nullptr : scales->data() + row / kDim);
+        };
       };
+      const auto k_at = side(v.k, v.k_scale);
+      const auto v_at = side(v.v, v.v_scale);
       for (std::size_t q = 0; q < kBatch; ++q) {
         const std::size_t len = m.layer_length(l, q);
         if (len == 0) continue;
@@ -157,8 +170,8 @@ struct Pair {
             const std::size_t row = base + h * kBlock * kDim + (pos % kBlock) * kDim;
             const std::size_t want = (pos * kHeads + h) * kDim;
             INFO("layer " << l << " sequence " << q << " position " << pos << " head " << h);
-            REQUIRE(at(row) == stored_values<T>(expect.k.data() + want));
-            REQUIRE(at(row + kHeads * kBlock * kDim) == stored_values<T>(expect.v.data() + want));
+            REQUIRE(k_at(row) == stored_values<K>(expect.k.data() + want));
+            REQUIRE(v_at(row) == stored_values<V>(expect.v.data() + want));
           }
         }
       }
@@ -169,7 +182,7 @@ struct Pair {
 // `twin`: the host PagedCache follows every operation (appends to one sequence at a time, as it
 // takes them); otherwise appends go to batches of sequences, which take blocks all at once (and
 // may copy a block the host would have copied for one sequence only).
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 void run(std::mt19937_64& rng, bool evict, bool twin, int steps) {
   Pair<T> p(40, evict);
   p.twin = twin;
@@ -300,7 +313,8 @@ void run(std::mt19937_64& rng, bool evict, bool twin, int steps) {
 
 TEMPLATE_TEST_CASE(
     "a paged DeviceCache keeps PagedCache's bookkeeping and rows, operation for operation",
-    "[cuda]", float, kvcache::qint8, kvcache::fp8_e4m3) {
+    "[cuda]", float, kvcache::qint8, kvcache::fp8_e4m3,
+    (kvcache::KVFormats<kvcache::half, kvcache::qint8>)) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("device_paged_twin");
   for (bool evict : {false, true}) {
@@ -407,7 +421,7 @@ TEST_CASE("export_csr of a paged DeviceCache writes on the device what the host 
 namespace {
 
 // Appends the K/V of ids[len .. len + n) to `layer` of `seq` (with the ids).
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 void device_append(kcuda::DeviceCache<T>& dev, std::size_t layer, std::size_t seq,
                    const std::vector<token_id>& ids, std::size_t len, std::size_t n) {
   const auto kv = kSynth.kv(layer, ids, len, n);
@@ -419,20 +433,21 @@ void device_append(kcuda::DeviceCache<T>& dev, std::size_t layer, std::size_t se
              dv.data(), nullptr);
 }
 
-// The rows of one (layer, seq), packed [heads][held][kDim], and (int8, fp8) their scales.
-template <kvcache::KVElement T>
+// The rows of one (layer, seq), packed [heads][held][kDim], and (int8, fp8 sides) their scales.
+template <kvcache::KVFormat T>
 struct Packed {
-  std::vector<T> k, v;
+  std::vector<kvcache::key_format_t<T>> k;
+  std::vector<kvcache::value_format_t<T>> v;
   std::vector<kvcache::scale_type> k_scale, v_scale;
   explicit Packed(std::size_t held)
       : k(held * kHeads * kDim),
         v(k.size()),
-        k_scale(kvcache::scaled_v<T> ? held * kHeads : 0),
-        v_scale(k_scale.size()) {}
+        k_scale(kvcache::scaled_v<kvcache::key_format_t<T>> ? held * kHeads : 0),
+        v_scale(kvcache::scaled_v<kvcache::value_format_t<T>> ? held * kHeads : 0) {}
   bool operator==(const Packed&) const = default;
 };
 
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 Packed<T> device_rows(const kcuda::DeviceCache<T>& dev, std::size_t l, std::size_t q) {
   Packed<T> out(dev.layer_length(l, q));
   dev.read_rows(l, q, out.k, out.v, out.k_scale, out.v_scale, nullptr);
@@ -448,7 +463,7 @@ Packed<typename V::value_type> host_rows(const V& view) {
 }
 
 // Every (layer, seq) of two paged device caches holds the same positions, rows, ids and key.
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 void require_same(const kcuda::DeviceCache<T>& a, const kcuda::DeviceCache<T>& b) {
   for (std::size_t q = 0; q < kBatch; ++q) {
     INFO("sequence " << q);
@@ -464,7 +479,8 @@ void require_same(const kcuda::DeviceCache<T>& a, const kcuda::DeviceCache<T>& b
 }  // namespace
 
 TEMPLATE_TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the host caches' format",
-                   "[cuda]", float, kvcache::qint8) {
+                   "[cuda]", float, kvcache::qint8,
+                   (kvcache::KVFormats<kvcache::fp8_e4m3, kvcache::bfloat16>)) {
   if (!have_device()) return;
   const kvcache::test::TempDir dir("device-snapshot");
   const kvcache::ModelId model("device-snapshot-test");
@@ -537,10 +553,11 @@ TEMPLATE_TEST_CASE("snapshots of a paged DeviceCache round-trip, and share the h
   REQUIRE_THROWS_AS(kcuda::save_snapshot(file, flat, model), kvcache::shape_error);
 }
 
-TEST_CASE("context_shift of a paged DeviceCache does what it does to a PagedCache, bit for bit",
-          "[cuda]") {
+TEMPLATE_TEST_CASE(
+    "context_shift of a paged DeviceCache does what it does to a PagedCache, bit for bit", "[cuda]",
+    float, (kvcache::KVFormats<kvcache::qint8, kvcache::half>)) {
   if (!have_device()) return;
-  Pair<float> p(24, false);
+  Pair<TestType> p(24, false);
   const kvcache::Rope rope({.base = 10000.0f}, kDim);
   // sequences 0 and 1 share a prompt's first blocks; 0 generates further; 2 has no ids
   const auto prompt = kvcache::test::iota_ids(13, 50);
@@ -575,12 +592,7 @@ TEST_CASE("context_shift of a paged DeviceCache does what it does to a PagedCach
     for (std::size_t q = 0; q < kBatch; ++q) {
       for (std::size_t l = 0; l < kLayers; ++l) {
         INFO("sequence " << q << " layer " << l);
-        const std::size_t len = p.dev.layer_length(l, q), n = len * kHeads * kDim;
-        std::vector<float> k(n), v(n), hk(n), hv(n);
-        p.dev.read_rows(l, q, k, v, nullptr);
-        kvcache::detail::pack_view_rows(p.host.view(l, q), hk.data(), hv.data());
-        REQUIRE(k == hk);
-        REQUIRE(v == hv);
+        REQUIRE(device_rows(p.dev, l, q) == host_rows(p.host.view(l, q)));
       }
     }
   };
@@ -603,10 +615,12 @@ TEST_CASE("context_shift of a paged DeviceCache does what it does to a PagedCach
   p.check_state();
   same_rows();
   // moved keys are turned: not the rows the shifted ids would have at their new positions
-  std::vector<float> k(p.dev.seq_length(0) * kHeads * kDim), v(k.size());
-  p.dev.read_rows(1, 0, k, v, nullptr);
-  const auto fresh = kSynth.kv(1, p.dev.paged().tokens(0), 0, p.dev.seq_length(0));
-  REQUIRE(k != fresh.k);
+  if constexpr (std::is_same_v<TestType, float>) {
+    std::vector<float> k(p.dev.seq_length(0) * kHeads * kDim), v(k.size());
+    p.dev.read_rows(1, 0, k, v, nullptr);
+    const auto fresh = kSynth.kv(1, p.dev.paged().tokens(0), 0, p.dev.seq_length(0));
+    REQUIRE(k != fresh.k);
+  }
 
   // both go on alike: one more token, then a prompt with the old ids shares only what the
   // shift left shareable

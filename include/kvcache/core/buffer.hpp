@@ -89,10 +89,19 @@ class AlignedBuffer {
   std::size_t size_ = 0;
 };
 
+/// Where RowBuffer and KVRows keep their arrays: `array<T>` is an owning, move-only buffer of T
+/// with data(), size() and bytes(). HostArrays: AlignedBuffer (host memory; the CUDA backend has
+/// its own, for device memory).
+struct HostArrays {
+  template <class T>
+  using array = AlignedBuffer<T>;
+};
+
 /// Storage for `rows` K/V rows of head_dim elements of format T, plus, for a quantized format
 /// (int8, fp8), one scale per row in a second buffer laid out as the rows: the scale of the row at
-/// element offset o is scales()[o / head_dim] (KVLayout's k_scale convention).
-template <KVElement T>
+/// element offset o is scales()[o / head_dim] (KVLayout's k_scale convention). Arrays: where the
+/// buffers live (HostArrays).
+template <KVElement T, class Arrays = HostArrays>
 class RowBuffer {
  public:
   RowBuffer() noexcept = default;
@@ -119,12 +128,14 @@ class RowBuffer {
   }
   /// Elements (codes) held, rows x head_dim.
   [[nodiscard]] std::size_t size() const noexcept { return codes_.size(); }
+  /// Elements of one row.
+  [[nodiscard]] std::size_t head_dim() const noexcept { return head_dim_; }
   /// Bytes of rows and scales.
   [[nodiscard]] std::size_t bytes() const noexcept { return codes_.bytes() + scales_.bytes(); }
 
  private:
-  AlignedBuffer<T> codes_;
-  AlignedBuffer<scale_type> scales_;
+  typename Arrays::template array<T> codes_;
+  typename Arrays::template array<scale_type> scales_;
   std::size_t head_dim_ = 1;
 };
 
@@ -134,8 +145,9 @@ class RowBuffer {
 /// is v(at), and slab i's first K row is at i * slab_stride(). One format keeps both sides in one
 /// allocation, each slab its K rows then its V rows ([K, V]: the layout PagedCache::layer_data()
 /// exposes); a pair of formats keeps a K allocation and a V allocation. Row scales of a quantized
-/// side sit beside its rows (RowBuffer). Move-only.
-template <KVFormat F>
+/// side sit beside its rows (RowBuffer). Arrays: where they live (HostArrays; the CUDA backend's
+/// DeviceCache keeps its rows the same way in device memory). Move-only.
+template <KVFormat F, class Arrays = HostArrays>
 class KVRows {
  public:
   using key_type = key_format_t<F>;
@@ -147,8 +159,9 @@ class KVRows {
       : slab_stride_(
             detail::checked_mul(kOneFormat ? 2 * slab_rows : slab_rows, head_dim, "KVRows")) {
     const std::size_t rows = detail::checked_mul(num_slabs, slab_rows, "KVRows");
-    k_ = RowBuffer<key_type>(kOneFormat ? detail::checked_mul(rows, 2, "KVRows") : rows, head_dim);
-    if constexpr (!kOneFormat) v_ = RowBuffer<value_type>(rows, head_dim);
+    k_ = RowBuffer<key_type, Arrays>(kOneFormat ? detail::checked_mul(rows, 2, "KVRows") : rows,
+                                     head_dim);
+    if constexpr (!kOneFormat) v_ = RowBuffer<value_type, Arrays>(rows, head_dim);
   }
 
   /// Elements from one slab's first row to the next slab's (the same on both sides).
@@ -197,14 +210,39 @@ class KVRows {
   /// Bytes of rows and scales, both sides.
   [[nodiscard]] std::size_t bytes() const noexcept { return k_.bytes() + v_.bytes(); }
 
+  /// Calls f(array, slab_bytes) for each allocation, rows and scales alike, K's first: its first
+  /// byte and the bytes one slab holds in it (slab i's part of an array starts i * slab_bytes in).
+  /// Copies whole slabs (a paged cache's blocks) whatever the format: between two KVRows of the
+  /// same F and slab size, the arrays come in the same order.
+  template <class Fn>
+  void for_each_array(Fn&& f) {
+    each_array<std::byte>(k_, f);
+    if constexpr (!kOneFormat) each_array<std::byte>(v_, f);
+  }
+  template <class Fn>
+  void for_each_array(Fn&& f) const {
+    each_array<const std::byte>(k_, f);
+    if constexpr (!kOneFormat) each_array<const std::byte>(v_, f);
+  }
+
  private:
   static constexpr bool kOneFormat = std::is_same_v<key_type, value_type>;
 
   // One format: elements from a K row to its V row, the second half of the slab.
   [[nodiscard]] std::size_t v_offset() const noexcept { return slab_stride_ / 2; }
 
-  RowBuffer<key_type> k_;    // one format: both sides
-  RowBuffer<value_type> v_;  // a pair: the V side; one format: empty
+  template <class Byte, class Rows, class Fn>
+  void each_array(Rows& rows, Fn& f) const {
+    using T = std::remove_cvref_t<decltype(*rows.data())>;
+    f(reinterpret_cast<Byte*>(rows.data()), slab_stride_ * sizeof(T));
+    if constexpr (scaled_v<T>) {
+      f(reinterpret_cast<Byte*>(rows.scales()),
+        slab_stride_ / rows.head_dim() * sizeof(scale_type));
+    }
+  }
+
+  RowBuffer<key_type, Arrays> k_;    // one format: both sides
+  RowBuffer<value_type, Arrays> v_;  // a pair: the V side; one format: empty
   std::size_t slab_stride_ = 0;
 };
 

@@ -66,7 +66,7 @@ inline std::size_t with_sink_scores(std::size_t first, std::size_t sink_bytes) n
 /// Bytes of workspace launch_decode_attention needs for this view (decode_workspace_bytes for
 /// the view's shape and max_keys, the options' window applied, plus the sink scores of
 /// cache_relative positions), with `setup` if given (no CUDA call), else on the current device.
-template <KVElement T>
+template <KVFormat T>
 [[nodiscard]] std::size_t decode_workspace_bytes(const DeviceKVView<T>& view, int num_q_heads,
                                                  const AttentionOptions& opts = {},
                                                  const DecodeSetup* setup = nullptr) {
@@ -82,7 +82,7 @@ template <KVElement T>
 
 /// Bytes of workspace launch_prefill_attention needs: the sink scores of cache_relative
 /// positions for num_seqs x max_q_len query rows; 0 for absolute positions (no workspace).
-template <KVElement T>
+template <KVFormat T>
 [[nodiscard]] std::size_t prefill_workspace_bytes(const DeviceKVView<T>& view, int num_q_heads,
                                                   int max_q_len, const AttentionOptions& opts) {
   return detail::sink_score_bytes(opts, view.num_seqs, max_q_len < 1 ? 0 : max_q_len, num_q_heads);
@@ -101,11 +101,12 @@ template <KVElement T>
 /// change none of the other heads' bits; an empty sequence gets zeros whatever q holds.
 /// int8 and fp8 views (DeviceCache of qint8 / fp8_e4m3): the codes are read directly and each
 /// row's scale applied to its score and weight (DecodeKernel::cuda_cores); a row whose scale is
-/// NaN (it was appended holding an inf or NaN) counts as a non-finite row.
+/// NaN (it was appended holding an inf or NaN) counts as a non-finite row. A KVFormats<K, V>
+/// view: each side read in its own format, the same way (DecodeKernel::cuda_cores).
 /// @throws shape_error (head_dim not 64/128/256, num_q_heads not a multiple of num_kv_heads,
 ///         workspace too small, setup made for another dtype, head_dim, group or device),
 ///         cuda_error.
-template <KVElement T>
+template <KVFormat T>
 void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float* out,
                              int num_q_heads, const AttentionOptions& opts, void* workspace,
                              std::size_t workspace_bytes, cudaStream_t stream,
@@ -197,9 +198,10 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
 
 /// Prefill attention: q and out [total][num_q_heads][head_dim] device arrays, the rows of
 /// sequence s being q_offsets[s] .. q_offsets[s + 1] - 1 (device array), at that sequence's
-/// last positions (append their K/V first). Tensor cores for every dtype (tf32 for float; fp16
+/// last positions (append their K/V first). Tensor cores for every format (tf32 for float; fp16
 /// for the int8 and fp8 codes, which are fp16 values, their row scales applied to the scores and
-/// weights in fp32).
+/// weights in fp32; a KVFormats<K, V> pair in its unquantized side's type, fp16 when both are
+/// quantized, tf32 for two different ones: detail::prefill_operand_t).
 /// Inf and NaN as kvcache::attend on the CPU: a query row whose q, or the K or V row of a key it
 /// sees, holds an inf or NaN is NaN throughout; an inf or NaN in a key a row cannot see (a later
 /// token of the same chunk, a key outside its window) changes none of its bits. q is rounded to
@@ -207,17 +209,19 @@ void launch_decode_attention(const DeviceKVView<T>& view, const float* q, float*
 /// element beyond fp16's range counts as inf with fp16, int8 or fp8 K/V. cache_relative positions
 /// need workspace of prefill_workspace_bytes(view, num_q_heads, max_q_len, opts) bytes (none
 /// otherwise).
-/// @throws shape_error (head_dim not 64/128/256, or 256 with float; workspace too small; a
+/// @throws shape_error (head_dim not 64/128/256, or 256 with tf32 tiles; workspace too small; a
 ///         RoPE for another head_dim), cuda_error.
-template <KVElement T>
+template <KVFormat T>
 void launch_prefill_attention(const DeviceKVView<T>& view, const float* q, float* out,
                               int num_q_heads, const std::int32_t* q_offsets, int max_q_len,
                               const AttentionOptions& opts, cudaStream_t stream,
                               void* workspace = nullptr, std::size_t workspace_bytes = 0) {
   detail::check_heads("CUDA prefill attention", num_q_heads, view.num_kv_heads);
-  if (std::is_same_v<T, float> && view.head_dim > 128) {
-    throw shape_error(kvcache::detail::message("CUDA prefill attention: head_dim ", view.head_dim,
-                                               " with float K/V unsupported; supported: 64, 128"));
+  constexpr bool kFloatTiles = std::is_same_v<detail::prefill_operand_t<T>, float>;
+  if (kFloatTiles && view.head_dim > 128) {
+    throw shape_error(kvcache::detail::message(
+        "CUDA prefill attention: head_dim ", view.head_dim, " with ", detail::format_name<T>(),
+        " K/V (tf32 tiles) unsupported; supported: 64, 128"));
   }
   if (max_q_len < 1) return;
   const std::size_t sink_bytes = prefill_workspace_bytes(view, num_q_heads, max_q_len, opts);
@@ -230,7 +234,7 @@ void launch_prefill_attention(const DeviceKVView<T>& view, const float* q, float
       opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(view.head_dim));
   detail::dispatch_head_dim(view.head_dim, [&](auto d) {
     constexpr int D = decltype(d)::value;
-    if constexpr (std::is_same_v<T, float> && D > 128) {
+    if constexpr (kFloatTiles && D > 128) {
       return;  // rejected above; not instantiated (its tiles would not fit in shared memory)
     } else {
       constexpr std::size_t smem = detail::PrefillSmem<T, D>::kBytes;
@@ -261,7 +265,7 @@ namespace kvcache {
 /// the semantics of the CPU kvcache::attend, in every decode kernel (DecodeKernel), split or not,
 /// and in the prefill kernel.
 /// @throws shape_error, cuda_error. Asynchronous: nothing is synchronised.
-template <KVElement T>
+template <KVFormat T>
 void attend(TokenBlock<const float> q, const cuda::DeviceKVView<T>& view, TokenBlock<float> out,
             const AttentionOptions& opts, const cuda::DeviceAttendArgs& args) {
   detail::check_options(opts);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kvcache/attention/options.hpp"
+#include "kvcache/core/buffer.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/error.hpp"
 #include "kvcache/core/prefix_cache_concept.hpp"
@@ -69,13 +70,16 @@ struct DeviceCacheConfig {
 /// copy-on-write copies go to the device in one launch; the block-table entries and lengths an
 /// operation changes follow in batched launches, all on the caller's stream.
 ///
-/// T is any storage format (KVElement): f32, f16, bf16, or int8 / fp8 e4m3 codes with one
-/// bfloat16 scale per (token, KV head) row, as the host caches keep them (core/format.hpp). A
-/// quantized cache takes float rows and quantizes them on the device, bit for bit as the host
-/// caches do, so a device cache and a host cache fed the same rows hold the same codes and scales.
-/// Its views carry the scales (k_scale, v_scale); decode attention reads the codes directly
-/// (DecodeKernel::cuda_cores), prefill on tensor cores as fp16 values (cuda/prefill.cuh).
-template <KVElement T>
+/// T is any storage format (KVFormat): f32, f16, bf16, or int8 / fp8 e4m3 codes with one
+/// bfloat16 scale per (token, KV head) row, as the host caches keep them (core/format.hpp), or a
+/// pair KVFormats<K, V> storing K in K and V in V. A quantized side takes float rows and quantizes
+/// them on the device, bit for bit as the host caches do, so a device cache and a host cache fed
+/// the same rows hold the same codes and scales. Its views carry the scales (k_scale, v_scale);
+/// decode attention reads the codes directly (DecodeKernel::cuda_cores), prefill on tensor cores
+/// as fp16 values (cuda/prefill.cuh). Storage: KVRows<T, DeviceArrays> (core/buffer.hpp), so one
+/// format keeps each slab's K rows then its V rows in one allocation, a pair a K and a V
+/// allocation laid out alike.
+template <KVFormat T>
 class DeviceCache {
  public:
   using value_type = T;
@@ -90,22 +94,17 @@ class DeviceCache {
     if (c.max_batch > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
       throw shape_error("DeviceCache: max_batch too large");
     }
+    std::size_t num_slabs = 0, slab_rows = 0;  // a slab: one sequence, or one block, of a layer
     switch (c.layout) {
       case Layout::contiguous:
         detail_require(c.max_seq_len, "max_seq_len");
         slots_ = c.max_seq_len;
-        storage_ = DeviceBuffer<T>(kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim, slots_,
-                                                  sizeof(T), c.max_batch) /
-                                   sizeof(T));
         break;
       case Layout::ring:
         detail_require(c.window, "window");
         detail_require(c.max_append_len, "max_append_len");
         ring_len_ = c.window + c.max_append_len - 1;
         slots_ = c.num_sink_tokens + ring_len_;
-        storage_ = DeviceBuffer<T>(kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim, slots_,
-                                                  sizeof(T), c.max_batch) /
-                                   sizeof(T));
         break;
       case Layout::paged:
         detail_require(c.max_seq_len, "max_seq_len");
@@ -126,12 +125,16 @@ class DeviceCache {
                                           .max_seq_len = c.max_seq_len,
                                           .enable_prefix_caching = c.enable_prefix_caching,
                                           .evict_when_full = c.evict_when_full});
-        storage_ = DeviceBuffer<T>(kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
-                                                  c.block_size, sizeof(T), c.num_blocks) /
-                                   sizeof(T));
         break;
     }
-    if constexpr (scaled_v<T>) scales_ = DeviceBuffer<scale_type>(storage_.size() / c.head_dim);
+    if (paged_) {
+      num_slabs = kvcache::detail::checked_mul(c.num_layers, c.num_blocks, "DeviceCache");
+      slab_rows = kvcache::detail::checked_mul(c.num_kv_heads, c.block_size, "DeviceCache");
+    } else {
+      num_slabs = kvcache::detail::checked_mul(c.num_layers, c.max_batch, "DeviceCache");
+      slab_rows = kvcache::detail::checked_mul(c.num_kv_heads, slots_, "DeviceCache");
+    }
+    storage_ = KVRows<T, DeviceArrays>(num_slabs, slab_rows, c.head_dim);
     state_.assign(c.num_layers * c.max_batch, State{0, static_cast<std::int64_t>(sinks())});
     meta_ = DeviceBuffer<std::int64_t>(c.num_layers * 3 * c.max_batch);
     // all zero: every sequence empty ([0, 0) and [0, 0) present)
@@ -140,10 +143,10 @@ class DeviceCache {
 
   /// Appends counts[i] new tokens to sequence seqs[i] of `layer`, for every i, in one launch per
   /// kMaxSeqsPerLaunch sequences. k, v: device arrays [sum(counts)][num_kv_heads][head_dim] of
-  /// float (rounded to T; quantized per row for int8 and fp8) or, for f32/f16/bf16 caches, T,
-  /// tokens grouped by sequence in the order of `seqs`. Paged: the
-  /// whole batch takes its blocks at once (the shared or indexed ones it writes into are copied
-  /// first, in one launch), or none.
+  /// float (rounded to T; quantized per row for int8 and fp8; a pair: k to K's format, v to V's)
+  /// or, for f32/f16/bf16 caches, T, tokens grouped by sequence in the order of `seqs`. Paged:
+  /// the whole batch takes its blocks at once (the shared or indexed ones it writes into are
+  /// copied first, one launch per array of the storage), or none.
   /// @throws layer_error, batch_error, shape_error (sizes, a sequence listed twice, zero count),
   ///         capacity_error (max_seq_len, max_append_len), pool_exhausted_error (paged: names
   ///         blocks needed, free and evictable), position_error (paged: a sequence with ids, past
@@ -178,20 +181,18 @@ class DeviceCache {
   /// max_keys).
   [[nodiscard]] DeviceKVView<T> view(std::size_t layer) const {
     check_layer(layer);
-    const T* base = storage_.data() + layer_offset(layer);
-    const scale_type* scales = scales_at(layer_offset(layer));
+    const KVBases<T> at = storage_.bases(layer_offset(layer));
     const auto heads = static_cast<int>(config_.num_kv_heads);
     const auto dim = static_cast<int>(config_.head_dim);
     DeviceKVView<T> v =
         config_.layout == Layout::paged
-            ? paged_layout(base, heads, dim, static_cast<int>(config_.block_size),
-                           static_cast<std::int64_t>(2 * v_offset()), paged_->device_table(),
-                           static_cast<int>(config_.max_batch),
-                           static_cast<int>(paged_->max_blocks()), scales)
-            : slab_layout(base, static_cast<int>(config_.max_batch), heads, dim,
+            ? paged_layout(at, heads, dim, static_cast<int>(config_.block_size),
+                           paged_->device_table(), static_cast<int>(config_.max_batch),
+                           static_cast<int>(paged_->max_blocks()))
+            : slab_layout(at, static_cast<int>(config_.max_batch), heads, dim,
                           static_cast<std::int64_t>(slots_),
                           static_cast<int>(config_.num_sink_tokens),
-                          config_.layout == Layout::ring ? static_cast<int>(ring_len_) : 0, scales);
+                          config_.layout == Layout::ring ? static_cast<int>(ring_len_) : 0);
     const std::int64_t* m = meta_.data() + layer * 3 * config_.max_batch;
     v.length = m;
     v.sink_end = m + config_.max_batch;
@@ -228,10 +229,10 @@ class DeviceCache {
   }
   [[nodiscard]] std::size_t max_batch() const noexcept { return config_.max_batch; }
   [[nodiscard]] const DeviceCacheConfig& config() const noexcept { return config_; }
-  /// Device bytes of K/V storage, a quantized format's scales included (plus the block table for
+  /// Device bytes of K/V storage, a quantized side's scales included (plus the block table for
   /// paged).
   [[nodiscard]] std::size_t memory_bytes() const noexcept {
-    return storage_.bytes() + scales_.bytes() + (paged_ ? paged_->device_bytes() : 0);
+    return storage_.bytes() + (paged_ ? paged_->device_bytes() : 0);
   }
   /// Paged: blocks in the pool that are free (neither held nor cached); 0 for other layouts.
   [[nodiscard]] std::size_t free_blocks() const {
@@ -360,11 +361,11 @@ class DeviceCache {
   /// The host caches' restore() on the device, every layout (cuda/cache_restore.cuh).
   void restore(std::span<const LayerRestore<T>> entries, std::span<const SequenceTokens> tokens,
                cudaStream_t stream);
-  /// The rows of `layer` of `seq` in host memory, packed, with their scales: k_scale and v_scale
-  /// [num_kv_heads][held] each for int8/fp8, empty for f32/f16/bf16 (cuda/cache_restore.cuh).
-  void read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
-                 std::span<scale_type> k_scale, std::span<scale_type> v_scale,
-                 cudaStream_t stream) const;
+  /// The rows of `layer` of `seq` in host memory, packed, with their scales: k_scale (v_scale)
+  /// [num_kv_heads][held] for a quantized K (V) side, empty otherwise (cuda/cache_restore.cuh).
+  void read_rows(std::size_t layer, std::size_t seq, std::span<key_format_t<T>> k,
+                 std::span<value_format_t<T>> v, std::span<scale_type> k_scale,
+                 std::span<scale_type> v_scale, cudaStream_t stream) const;
   /// read_rows() of an f32/f16/bf16 cache, whose rows have no scales.
   void read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
                  cudaStream_t stream) const requires Element<T> {
@@ -430,15 +431,15 @@ class DeviceCache {
     // the copy-on-write copies and new table entries go out
     std::span<const BlockManager<>::AppendPlan> plans;
     if (paged_) {
-      plans = paged_->begin_append(layer, seqs, counts, ids, storage_.data(), layer_offset(1),
-                                   2 * v_offset(), scales_at(0), config_.head_dim, stream);
+      plans = paged_->begin_append(layer, seqs, counts, ids, storage_, stream);
     }
     // validated: from here on only launches, whose failure is reported as cuda_error
     const DeviceKVView<T> v_layer = view(layer);
-    T* k_out = storage_.data() + layer_offset(layer);
-    T* v_out = k_out + v_offset();
-    scale_type* ks_out = scales_at(layer_offset(layer));
-    scale_type* vs_out = scales_at(layer_offset(layer) + v_offset());
+    const std::size_t at = layer_offset(layer);
+    key_format_t<T>* k_out = storage_.k(at);
+    value_format_t<T>* v_out = storage_.v(at);
+    scale_type* ks_out = storage_.k_scale(at);
+    scale_type* vs_out = storage_.v_scale(at);
     std::size_t token = 0;
     for (std::size_t i0 = 0; i0 < seqs.size(); i0 += kMaxSeqsPerLaunch) {
       detail::AppendBatch batch;
@@ -522,22 +523,11 @@ class DeviceCache {
   [[nodiscard]] const State& state(std::size_t layer, std::size_t seq) const {
     return state_[layer * config_.max_batch + seq];
   }
-  [[nodiscard]] std::size_t v_offset() const noexcept {
-    const std::size_t rows = config_.layout == Layout::paged ? config_.block_size : slots_;
-    return config_.num_kv_heads * rows * config_.head_dim;
-  }
-  /// A quantized format's scale of the row at element offset `offset` of the storage; null for
-  /// f32/f16/bf16.
-  [[nodiscard]] scale_type* scales_at(std::size_t offset) noexcept {
-    return scaled_v<T> ? scales_.data() + offset / config_.head_dim : nullptr;
-  }
-  [[nodiscard]] const scale_type* scales_at(std::size_t offset) const noexcept {
-    return scaled_v<T> ? scales_.data() + offset / config_.head_dim : nullptr;
-  }
+  /// Element offset (each side) of `layer`'s first slab in the storage.
   [[nodiscard]] std::size_t layer_offset(std::size_t layer) const noexcept {
     const std::size_t units =
         config_.layout == Layout::paged ? config_.num_blocks : config_.max_batch;
-    return layer * units * 2 * v_offset();
+    return layer * units * storage_.slab_stride();
   }
 
   /// (sink_end, recent_begin, length) of a sequence's present positions.
@@ -579,8 +569,7 @@ class DeviceCache {
   DeviceCacheConfig config_;
   std::size_t slots_ = 0;
   std::size_t ring_len_ = 0;
-  DeviceBuffer<T> storage_;
-  DeviceBuffer<scale_type> scales_;   // quantized formats: one per row, laid out as the rows
+  KVRows<T, DeviceArrays> storage_;   // a slab per (layer, sequence) or (layer, block)
   DeviceBuffer<std::int64_t> meta_;   // [layer][length, sink_end, recent_begin][seq]
   std::vector<State> state_;          // [layer][seq]: what meta_ holds
   std::optional<PagedTables> paged_;  // paged: the bookkeeping and the device block table

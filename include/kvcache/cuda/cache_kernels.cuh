@@ -74,18 +74,38 @@ __device__ __forceinline__ void quantize_row_warp(const float* __restrict__ in, 
   for (int x = lane; x < d; x += 32) out[x] = encode_in_row<T>(in[x], sf);
 }
 
-/// Threads per block of append_kernel over T: a warp for the quantized formats (a row's scale is a
+/// Threads per block of append_kernel over T: a warp where a side is quantized (a row's scale is a
 /// warp reduction), 64 otherwise.
-template <KVElement T>
-inline constexpr int kAppendThreads = scaled_v<T> ? 32 : 64;
+template <KVFormat T>
+inline constexpr int kAppendThreads =
+    scaled_v<key_format_t<T>> || scaled_v<value_format_t<T>> ? 32 : 64;
+
+/// Writes one row of d values from `in` (float, or U = E) as E at `out`: the codes and the scale
+/// (at `scale`) of a quantized E, with the block's threads (kAppendThreads).
+template <KVElement E, class U>
+__device__ __forceinline__ void append_row(const U* __restrict__ in, int d, E* out,
+                                           scale_type* scale) {
+  if constexpr (scaled_v<E>) {
+    static_assert(std::is_same_v<U, float>, "quantized sides take float rows");
+    quantize_row_warp(in, d, out, scale);
+  } else {
+    for (int x = threadIdx.x; x < d; x += blockDim.x) {
+      if constexpr (std::is_same_v<U, E>) {
+        out[x] = in[x];
+      } else {
+        out[x] = from_f32<E>(in[x]);
+      }
+    }
+  }
+}
 
 /// Grid (tokens of the batch, KV heads), kAppendThreads<T> threads: converts and writes one K row
-/// and one V row (quantized formats: codes, and the scales into ks_out / vs_out, indexed by row
-/// offset / head_dim; unused otherwise).
-template <KVElement T, class U>
-__global__ void append_kernel(DeviceKVView<T> view, T* k_out, T* v_out, scale_type* ks_out,
-                              scale_type* vs_out, const U* __restrict__ k, const U* __restrict__ v,
-                              AppendBatch batch) {
+/// into k_out and one V row into v_out at the same element offset (a quantized side: codes, and
+/// the scales into ks_out / vs_out, indexed by row offset / head_dim; unused otherwise).
+template <KVFormat T, class U>
+__global__ void append_kernel(DeviceKVView<T> view, key_format_t<T>* k_out,
+                              value_format_t<T>* v_out, scale_type* ks_out, scale_type* vs_out,
+                              const U* __restrict__ k, const U* __restrict__ v, AppendBatch batch) {
   const int token = blockIdx.x, head = blockIdx.y;
   int entry = 0, hi = batch.num_seqs - 1;  // the last entry whose tokens begin at or before token
   while (entry < hi) {
@@ -101,21 +121,9 @@ __global__ void append_kernel(DeviceKVView<T> view, T* k_out, T* v_out, scale_ty
   const std::int64_t dst = view.row_offset(seq, head, pos);
   const std::int64_t src =
       (static_cast<std::int64_t>(token) * view.num_kv_heads + head) * view.head_dim;
-  if constexpr (scaled_v<T>) {
-    static_assert(std::is_same_v<U, float>, "quantized caches take float rows");
-    quantize_row_warp(k + src, view.head_dim, k_out + dst, ks_out + dst / view.head_dim);
-    quantize_row_warp(v + src, view.head_dim, v_out + dst, vs_out + dst / view.head_dim);
-  } else {
-    for (int d = threadIdx.x; d < view.head_dim; d += blockDim.x) {
-      if constexpr (std::is_same_v<U, T>) {
-        k_out[dst + d] = k[src + d];
-        v_out[dst + d] = v[src + d];
-      } else {
-        k_out[dst + d] = from_f32<T>(k[src + d]);
-        v_out[dst + d] = from_f32<T>(v[src + d]);
-      }
-    }
-  }
+  const std::int64_t row = dst / view.head_dim;
+  append_row(k + src, view.head_dim, k_out + dst, ks_out != nullptr ? ks_out + row : nullptr);
+  append_row(v + src, view.head_dim, v_out + dst, vs_out != nullptr ? vs_out + row : nullptr);
 }
 
 /// Writes (length, sink_end, recent_begin) entries into the device metadata [layer][3][batch].
@@ -150,23 +158,21 @@ struct CopyBatch {
 };
 static_assert(sizeof(CopyBatch) <= kMaxParamBatchBytes);
 
-/// Grid (copies, layers): block batch.entry[x].from of layer y into block .to, whole (K and V
-/// of every head, block_elems elements of T: the rows, or a quantized format's scales), 16 bytes
-/// at a time where the block allows it.
-template <class T>
-__global__ void copy_blocks_kernel(T* storage, std::int64_t layer_elems, std::int64_t block_elems,
-                                   CopyBatch batch) {
+/// Grid (copies, layers): block batch.entry[x].from of layer y into block .to, whole: the
+/// `block_bytes` bytes one block holds in an array of the storage (rows of K and V, or a side's
+/// rows, or their scales: KVRows::for_each_array), 16 bytes at a time where the block allows it.
+__global__ void copy_blocks_kernel(unsigned char* array, std::int64_t layer_bytes,
+                                   std::int64_t block_bytes, CopyBatch batch) {
   const CopyEntry e = batch.entry[blockIdx.x];
   const std::int64_t layer = blockIdx.y;
-  const T* src = storage + layer * layer_elems + e.from * block_elems;
-  T* dst = storage + layer * layer_elems + e.to * block_elems;
-  const std::int64_t bytes = block_elems * static_cast<std::int64_t>(sizeof(T));
-  if (bytes % 16 == 0) {  // the pool is 256-byte aligned, so are its blocks then
+  const unsigned char* src = array + layer * layer_bytes + e.from * block_bytes;
+  unsigned char* dst = array + layer * layer_bytes + e.to * block_bytes;
+  if (block_bytes % 16 == 0) {  // the arrays are 256-byte aligned, so are their blocks then
     const uint4* s4 = reinterpret_cast<const uint4*>(src);
     uint4* d4 = reinterpret_cast<uint4*>(dst);
-    for (std::int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) d4[i] = s4[i];
+    for (std::int64_t i = threadIdx.x; i < block_bytes / 16; i += blockDim.x) d4[i] = s4[i];
   } else {
-    for (std::int64_t i = threadIdx.x; i < block_elems; i += blockDim.x) dst[i] = src[i];
+    for (std::int64_t i = threadIdx.x; i < block_bytes; i += blockDim.x) dst[i] = src[i];
   }
 }
 

@@ -27,7 +27,7 @@ namespace detail {
 /// The runs of rows that hold `keys` of sequence `seq` in `layout` (a LayoutView's segments),
 /// per KV head: fn(element offset of the run's first row from the layer's K base, head, packed
 /// index of the run's first position, rows). Host arithmetic only: nothing is dereferenced.
-template <KVElement T, class F>
+template <KVFormat T, class F>
 void for_each_run(const KVLayout<T>& layout, int seq, const KeyRange& keys, F&& fn) {
   const LayoutView<T> view(layout, seq, keys);
   std::size_t row = 0;
@@ -39,6 +39,30 @@ void for_each_run(const KVLayout<T>& layout, int seq, const KeyRange& keys, F&& 
     }
     row += seg.len;
   }
+}
+
+/// Copies the slab whose first K row is at element offset `from` of `src` to the slab at `to` of
+/// `dst` (the same format and slab size; host and device KVRows), every array (rows and scales,
+/// KVRows::for_each_array), asynchronously on `stream` in direction `kind`.
+template <class Src, class Dst>
+void copy_slab(const Src& src, std::size_t from, Dst& dst, std::size_t to, cudaMemcpyKind kind,
+               cudaStream_t stream) {
+  const std::byte* src_arrays[4] = {};
+  std::size_t slab_bytes[4] = {};
+  std::size_t n = 0;
+  src.for_each_array([&](const std::byte* array, std::size_t bytes) {
+    src_arrays[n] = array;
+    slab_bytes[n++] = bytes;
+  });
+  n = 0;
+  const std::size_t stride = src.slab_stride();  // elements per slab, the same in dst
+  dst.for_each_array([&](std::byte* array, std::size_t bytes) {
+    // slab i of an array starts i * bytes in; `from` and `to` count elements of the rows
+    check(cudaMemcpyAsync(array + to / stride * bytes, src_arrays[n] + from / stride * bytes,
+                          slab_bytes[n], kind, stream),
+          "cudaMemcpyAsync(slab)");
+    ++n;
+  });
 }
 
 }  // namespace detail
@@ -58,10 +82,11 @@ void for_each_run(const KVLayout<T>& layout, int seq, const KeyRange& keys, F&& 
 /// Allocates the staging buffer and the plan (paged).
 /// @throws shape_error (ids for a layout without them), and as the host cache's restore(), all
 ///         before anything changes; cuda_error.
-template <KVElement T>
+template <KVFormat T>
 void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
                              std::span<const SequenceTokens> tokens, cudaStream_t stream) {
-  const CacheShape shape{config_.num_layers, config_.num_kv_heads, config_.head_dim, dtype_of<T>};
+  const CacheShape shape =
+      cache_shape<T>(config_.num_layers, config_.num_kv_heads, config_.head_dim);
   kvcache::detail::check_restore_entries("DeviceCache", entries, shape, config_.max_batch);
   const auto to_device = [&](auto* dst, const auto* src, std::size_t count) {
     check(cudaMemcpyAsync(dst, src, count * sizeof(*src), cudaMemcpyHostToDevice, stream),
@@ -85,17 +110,19 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
     for (const LayerRestore<T>& e : entries) {
       const std::size_t base = layer_offset(e.layer);
       const std::size_t held = e.held();
-      detail::for_each_run(
-          view(e.layer), static_cast<int>(e.seq), KeyRange{e.sink_end, e.recent_begin, e.length},
-          [&](std::size_t offset, std::size_t h, std::size_t row, std::size_t n) {
-            const std::size_t at = (h * held + row) * d, k_at = base + offset;
-            to_device(storage_.data() + k_at, e.k.data() + at, n * d);
-            to_device(storage_.data() + k_at + v_offset(), e.v.data() + at, n * d);
-            if constexpr (scaled_v<T>) {
-              to_device(scales_at(k_at), e.k_scale.data() + at / d, n);
-              to_device(scales_at(k_at + v_offset()), e.v_scale.data() + at / d, n);
-            }
-          });
+      detail::for_each_run(view(e.layer), static_cast<int>(e.seq),
+                           KeyRange{e.sink_end, e.recent_begin, e.length},
+                           [&](std::size_t offset, std::size_t h, std::size_t row, std::size_t n) {
+                             const std::size_t at = (h * held + row) * d, k_at = base + offset;
+                             to_device(storage_.k(k_at), e.k.data() + at, n * d);
+                             to_device(storage_.v(k_at), e.v.data() + at, n * d);
+                             if constexpr (scaled_v<key_format_t<T>>) {
+                               to_device(storage_.k_scale(k_at), e.k_scale.data() + at / d, n);
+                             }
+                             if constexpr (scaled_v<value_format_t<T>>) {
+                               to_device(storage_.v_scale(k_at), e.v_scale.data() + at / d, n);
+                             }
+                           });
       state(e.layer, e.seq) = State{e.length, e.length <= s ? s : e.recent_begin};
       push_meta(meta, e.layer, e.seq, stream);
     }
@@ -115,9 +142,8 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
     extents[i] = {e.layer, e.seq, static_cast<std::size_t>(e.length)};
     most_fresh += (e.held() + config_.block_size - 1) / config_.block_size;
   }
-  const std::size_t block_elems = 2 * v_offset(), block_rows = block_elems / config_.head_dim;
-  std::vector<T> staging(most_fresh * block_elems);
-  std::vector<scale_type> staging_scales(scaled_v<T> ? most_fresh * block_rows : 0);
+  // the fresh blocks' rows, staged in host memory laid out as the device's blocks
+  KVRows<T> staging(most_fresh, config_.num_kv_heads * config_.block_size, config_.head_dim);
   std::vector<bool> named(config_.max_batch, false);  // whose table and lengths change
   for (const LayerRestore<T>& e : entries) named[e.seq] = true;
   for (const SequenceTokens& t : tokens) {
@@ -131,16 +157,12 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
     const auto table = m.block_table(e.seq);
     for (const RestorePlan::Range r : plan.fresh_blocks(e.seq)) {
       for (std::size_t i = r.begin; i < r.end && i * config_.block_size < n; ++i) {
-        T* block = staging.data() + used * block_elems;
-        scale_type* scales = scaled_v<T> ? staging_scales.data() + used * block_rows : nullptr;
-        ++used;
-        // the block's [K, V] halves: V rows (and scales) half a block after K's
-        kvcache::detail::fill_packed_block(block, block + block_elems / 2, scales,
-                                           scales != nullptr ? scales + block_rows / 2 : nullptr,
-                                           config_.block_size, shape, e, i);
-        const std::size_t dst = layer_offset(e.layer) + std::size_t{table[i]} * block_elems;
-        to_device(storage_.data() + dst, block, block_elems);
-        if constexpr (scaled_v<T>) to_device(scales_at(dst), scales, block_rows);
+        const std::size_t from = used++ * staging.slab_stride();
+        kvcache::detail::fill_packed_block(staging.k(from), staging.v(from), staging.k_scale(from),
+                                           staging.v_scale(from), config_.block_size, shape, e, i);
+        const std::size_t to =
+            layer_offset(e.layer) + std::size_t{table[i]} * storage_.slab_stride();
+        detail::copy_slab(staging, from, storage_, to, cudaMemcpyHostToDevice, stream);
       }
     }
   }
@@ -158,21 +180,22 @@ void DeviceCache<T>::restore(std::span<const LayerRestore<T>> entries,
 /// One copy per block (paged) or per run of rows and head, then one synchronisation of `stream`
 /// (after the cache's earlier work on it).
 /// @throws shape_error (an output of another size), layer_error, batch_error, cuda_error.
-template <KVElement T>
-void DeviceCache<T>::read_rows(std::size_t layer, std::size_t seq, std::span<T> k, std::span<T> v,
-                               std::span<scale_type> k_scale, std::span<scale_type> v_scale,
-                               cudaStream_t stream) const {
+template <KVFormat T>
+void DeviceCache<T>::read_rows(std::size_t layer, std::size_t seq, std::span<key_format_t<T>> k,
+                               std::span<value_format_t<T>> v, std::span<scale_type> k_scale,
+                               std::span<scale_type> v_scale, cudaStream_t stream) const {
   const KeyRange held_keys = keys(layer, seq);
   const auto held = static_cast<std::size_t>(held_keys.count());
   const std::size_t row = config_.num_kv_heads * config_.head_dim;
-  const std::size_t scales = scaled_v<T> ? held * config_.num_kv_heads : 0;
-  if (k.size() != held * row || v.size() != held * row || k_scale.size() != scales ||
-      v_scale.size() != scales) {
+  const std::size_t k_scales = scaled_v<key_format_t<T>> ? held * config_.num_kv_heads : 0;
+  const std::size_t v_scales = scaled_v<value_format_t<T>> ? held * config_.num_kv_heads : 0;
+  if (k.size() != held * row || v.size() != held * row || k_scale.size() != k_scales ||
+      v_scale.size() != v_scales) {
     throw shape_error(kvcache::detail::message(
         "DeviceCache::read_rows: sequence ", seq, " layer ", layer, " holds ", held,
-        " positions: K and V need ", held * row, " elements and ", scales, " scales each, got ",
-        k.size(), " and ", v.size(), " elements, ", k_scale.size(), " and ", v_scale.size(),
-        " scales"));
+        " positions: K and V need ", held * row, " elements each and ", k_scales, " and ", v_scales,
+        " scales, got ", k.size(), " and ", v.size(), " elements, ", k_scale.size(), " and ",
+        v_scale.size(), " scales"));
   }
   const auto to_host = [&](auto* dst, const auto* src, std::size_t count) {
     check(cudaMemcpyAsync(dst, src, count * sizeof(*src), cudaMemcpyDeviceToHost, stream),
@@ -184,39 +207,35 @@ void DeviceCache<T>::read_rows(std::size_t layer, std::size_t seq, std::span<T> 
     detail::for_each_run(view(layer), static_cast<int>(seq), held_keys,
                          [&](std::size_t offset, std::size_t h, std::size_t first, std::size_t n) {
                            const std::size_t at = (h * held + first) * d, k_at = base + offset;
-                           to_host(k.data() + at, storage_.data() + k_at, n * d);
-                           to_host(v.data() + at, storage_.data() + k_at + v_offset(), n * d);
-                           if constexpr (scaled_v<T>) {
-                             to_host(k_scale.data() + at / d, scales_at(k_at), n);
-                             to_host(v_scale.data() + at / d, scales_at(k_at + v_offset()), n);
+                           to_host(k.data() + at, storage_.k(k_at), n * d);
+                           to_host(v.data() + at, storage_.v(k_at), n * d);
+                           if constexpr (scaled_v<key_format_t<T>>) {
+                             to_host(k_scale.data() + at / d, storage_.k_scale(k_at), n);
+                           }
+                           if constexpr (scaled_v<value_format_t<T>>) {
+                             to_host(v_scale.data() + at / d, storage_.v_scale(k_at), n);
                            }
                          });
     check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(read_rows)");
     return;
   }
   const std::size_t len = held;  // a paged sequence holds every position
-  const std::size_t bs = config_.block_size, block_elems = 2 * v_offset();
-  const std::size_t block_rows = block_elems / config_.head_dim;
+  const std::size_t bs = config_.block_size;
   const std::size_t pages = (len + bs - 1) / bs;
-  std::vector<T> staging(pages * block_elems);
-  std::vector<scale_type> staging_scales(scaled_v<T> ? pages * block_rows : 0);
+  KVRows<T> staging(pages, config_.num_kv_heads * bs, config_.head_dim);
   const auto table = paged_->manager().block_table(seq);
   for (std::size_t i = 0; i < pages; ++i) {
-    const std::size_t src = layer_offset(layer) + std::size_t{table[i]} * block_elems;
-    to_host(staging.data() + i * block_elems, storage_.data() + src, block_elems);
-    if constexpr (scaled_v<T>) {
-      to_host(staging_scales.data() + i * block_rows, scales_at(src), block_rows);
-    }
+    detail::copy_slab(storage_,
+                      layer_offset(layer) + std::size_t{table[i]} * storage_.slab_stride(), staging,
+                      i * staging.slab_stride(), cudaMemcpyDeviceToHost, stream);
   }
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(read_rows)");
   // the staged blocks as a paged layout of their own, block i at index i
   std::vector<block_id> identity(pages);
   for (std::size_t i = 0; i < pages; ++i) identity[i] = static_cast<block_id>(i);
-  const KVLayout<T> staged = paged_layout(
-      static_cast<const T*>(staging.data()), static_cast<int>(config_.num_kv_heads),
-      static_cast<int>(config_.head_dim), static_cast<int>(bs),
-      static_cast<std::int64_t>(block_elems), identity.data(), 1, static_cast<int>(pages),
-      scaled_v<T> ? static_cast<const scale_type*>(staging_scales.data()) : nullptr);
+  const KVLayout<T> staged = paged_layout(staging.bases(0), static_cast<int>(config_.num_kv_heads),
+                                          static_cast<int>(config_.head_dim), static_cast<int>(bs),
+                                          identity.data(), 1, static_cast<int>(pages));
   kvcache::detail::pack_view_rows(
       LayoutView<T>(staged, 0, KeyRange{0, 0, static_cast<std::int64_t>(len)}), k.data(), v.data(),
       k_scale.data(), v_scale.data());

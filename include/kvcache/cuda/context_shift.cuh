@@ -45,11 +45,11 @@ namespace kvcache::cuda {
 ///         n_discard past the sequence's length, layers of different lengths, a window's shift
 ///         named above), pool_exhausted_error (paged: the pool cannot hold the rewritten
 ///         blocks): the cache is unchanged. cuda_error.
-template <KVElement T>
+template <KVFormat T>
 void context_shift(DeviceCache<T>& cache, std::size_t seq, std::size_t n_keep,
                    std::size_t n_discard, const Rope& rope, cudaStream_t stream) {
   const DeviceCacheConfig& c = cache.config();
-  const CacheShape shape{c.num_layers, c.num_kv_heads, c.head_dim, dtype_of<T>};
+  const CacheShape shape = cache_shape<T>(c.num_layers, c.num_kv_heads, c.head_dim);
   kvcache::detail::check_context_shift("cuda::context_shift", shape, c.max_batch, seq, n_keep,
                                        n_discard, rope,
                                        [&](std::size_t l) { return cache.layer_length(l, seq); });
@@ -60,25 +60,29 @@ void context_shift(DeviceCache<T>& cache, std::size_t seq, std::size_t n_keep,
     first[l + 1] =
         first[l] + static_cast<std::size_t>(cache.keys(l, seq).count()) * shape.token_elems();
   }
-  std::vector<T> k(first.back()), v(k.size());
-  // quantized formats: the rows' scales, packed as the rows (one per head_dim elements)
+  using K = key_format_t<T>;
+  using V = value_format_t<T>;
+  std::vector<K> k(first.back());
+  std::vector<V> v(k.size());
+  // a quantized side's row scales, packed as the rows (one per head_dim elements)
   const std::size_t d = c.head_dim;
-  std::vector<scale_type> ks(scaled_v<T> ? k.size() / d : 0), vs(ks.size());
+  std::vector<scale_type> ks(scaled_v<K> ? k.size() / d : 0), vs(scaled_v<V> ? v.size() / d : 0);
+  const auto part = [&](std::vector<scale_type>& scales, std::size_t from, std::size_t n) {
+    return scales.empty() ? std::span<scale_type>() : std::span(scales).subspan(from / d, n / d);
+  };
   for (std::size_t l = 0; l < c.num_layers; ++l) {
     const std::size_t n = first[l + 1] - first[l];
-    const auto kl = std::span<T>(k).subspan(first[l], n), vl = std::span<T>(v).subspan(first[l], n);
-    const std::size_t s0 = ks.empty() ? 0 : first[l] / d, sn = ks.empty() ? 0 : n / d;
-    cache.read_rows(l, seq, kl, vl, std::span(ks).subspan(s0, sn), std::span(vs).subspan(s0, sn),
-                    stream);
+    cache.read_rows(l, seq, std::span(k).subspan(first[l], n), std::span(v).subspan(first[l], n),
+                    part(ks, first[l], n), part(vs, first[l], n), stream);
   }
   const auto view_of = [&](std::size_t l) {
     const KeyRange r = cache.keys(l, seq);
     const auto held = static_cast<std::size_t>(r.count());
     const auto sink_rows = static_cast<std::size_t>(r.sink_end);
-    const T* kl = k.data() + first[l];
-    const T* vl = v.data() + first[l];
-    const scale_type* ksl = scaled_v<T> ? ks.data() + first[l] / d : nullptr;
-    const scale_type* vsl = scaled_v<T> ? vs.data() + first[l] / d : nullptr;
+    const K* kl = k.data() + first[l];
+    const V* vl = v.data() + first[l];
+    const scale_type* ksl = ks.empty() ? nullptr : ks.data() + first[l] / d;
+    const scale_type* vsl = vs.empty() ? nullptr : vs.data() + first[l] / d;
     const auto at = [](const scale_type* p, std::size_t rows) { return p ? p + rows : nullptr; };
     SegmentView<T, 2> view(c.num_kv_heads, d, r.length, r.sink_end, r.recent_begin);
     view.push({kl, vl, held * d, 0, sink_rows, ksl, vsl});

@@ -62,12 +62,14 @@ __global__ void export_csr_kernel(const block_id* table, int max_blocks, std::in
 
 /// kvcache::export_csr() of `layer` of seqs on a paged DeviceCache, into device arrays: page ids
 /// of the layer's pool (DeviceCache::view(layer).k, [num_blocks][K, V][num_kv_heads]
-/// [block_size][head_dim]). Asynchronous on `stream`, after the cache's earlier operations on it;
-/// valid until the next operation that changes a listed sequence. No allocation, no copy from
-/// the host (the metadata travels as kernel parameters). Returns the sizes written.
+/// [block_size][head_dim] for one format; for a KVFormats<K, V> pair view(layer).k and .v are
+/// two pools, each [num_blocks][num_kv_heads][block_size][head_dim]). Asynchronous on `stream`,
+/// after the cache's earlier operations on it; valid until the next operation that changes a listed
+/// sequence. No allocation, no copy from the host (the metadata travels as kernel parameters).
+/// Returns the sizes written.
 /// @throws shape_error (not paged; arrays shorter than needed), layer_error, batch_error,
 ///         capacity_error (beyond int32), cuda_error; nothing is launched then.
-template <KVElement T>
+template <KVFormat T>
 CsrSizes export_csr(const DeviceCache<T>& cache, std::size_t layer,
                     std::span<const std::size_t> seqs, const DeviceCsr& out, cudaStream_t stream) {
   const BlockManager<>& m = cache.paged();

@@ -42,13 +42,15 @@ void allow_smem(Kernel kernel, std::size_t bytes) {
 }
 
 /// Queries the current device for `kernel` over T K/V and head_dim D (decode_attention_kernel<
-/// T, D, G> for f32, int8 and fp8, decode_attention_mma_kernel<T, D> or
+/// T, D, G> for f32, int8, fp8 and pairs, decode_attention_mma_kernel<T, D> or
 /// decode_attention_warp_kernel<T, D, G>) serving `group` query heads per KV head, raising its
 /// shared-memory limit there.
 /// @throws cuda_error.
-template <KVElement T, int D>
+template <KVFormat T, int D>
 DecodeSetup query_decode_setup(int group, DecodeKernel kernel) {
-  DecodeSetup setup{.dtype = dtype_of<T>, .head_dim = D, .group = group, .kernel = kernel};
+  DecodeSetup setup{
+      .dtype = dtype_of<key_format_t<T>>, .head_dim = D, .group = group, .kernel = kernel};
+  if constexpr (!KVElement<T>) setup.value_dtype = dtype_of<value_format_t<T>>;
   check(cudaGetDevice(&setup.device), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&setup.num_sms, cudaDevAttrMultiProcessorCount, setup.device),
         "cudaDeviceGetAttribute(multiProcessorCount)");
@@ -87,7 +89,7 @@ DecodeSetup query_decode_setup(int group, DecodeKernel kernel) {
 /// (DeviceAttendArgs::decode_setup).
 /// @throws shape_error (head_dim not 64/128/256, num_q_heads not a multiple of num_kv_heads,
 ///         a kernel that does not serve T), cuda_error.
-template <KVElement T>
+template <KVFormat T>
 [[nodiscard]] DecodeSetup make_decode_setup(int num_q_heads, int num_kv_heads, int head_dim,
                                             DecodeKernel kernel = default_decode_kernel<T>) {
   detail::check_heads("CUDA decode setup", num_q_heads, num_kv_heads);
@@ -101,7 +103,7 @@ template <KVElement T>
 
 /// decode_workspace_bytes for the current device, its setup queried first.
 /// @throws shape_error (as launch_decode_attention), cuda_error.
-template <KVElement T>
+template <KVFormat T>
 [[nodiscard]] std::size_t decode_workspace_bytes(int num_seqs, int num_q_heads, int num_kv_heads,
                                                  int head_dim, std::int64_t max_keys) {
   const DecodeSetup setup = make_decode_setup<T>(num_q_heads, num_kv_heads, head_dim);

@@ -28,23 +28,28 @@ __host__ __device__ constexpr int tile_row_bytes(int head_dim) {
   return head_dim * static_cast<int>(sizeof(T)) + 16;
 }
 
-/// Shared memory of the decode kernel, in bytes: q [G][D] floats; K and V tiles, one per
-/// pipeline stage [stages][kDecodeTile][row]; their positions [stages][kDecodeTile]; partial
-/// scores [2][G][kDecodeTile]; per-head m, l, correction; for a quantized format the tiles' K and
-/// V row scales as floats, [2][stages][kDecodeTile].
-template <KVElement T>
+/// True when format T stores either side quantized (its tiles carry row scales).
+template <KVFormat T>
+inline constexpr bool kAnyScaled = scaled_v<key_format_t<T>> || scaled_v<value_format_t<T>>;
+
+/// Shared memory of the decode kernel, in bytes: q [G][D] floats; K tiles then V tiles (each in
+/// its side's format), one per pipeline stage [stages][kDecodeTile][row]; their positions
+/// [stages][kDecodeTile]; partial scores [2][G][kDecodeTile]; per-head m, l, correction; where a
+/// side is quantized the tiles' K and V row scales as floats, [2][stages][kDecodeTile].
+template <KVFormat T>
 __host__ __device__ constexpr std::size_t decode_smem_bytes(int head_dim, int group, int stages) {
   const std::size_t g = static_cast<std::size_t>(group);
   const std::size_t n = static_cast<std::size_t>(stages);
-  return g * head_dim * sizeof(float) +
-         2 * n * kDecodeTile * static_cast<std::size_t>(tile_row_bytes<T>(head_dim)) +
+  const auto rows = static_cast<std::size_t>(tile_row_bytes<key_format_t<T>>(head_dim) +
+                                             tile_row_bytes<value_format_t<T>>(head_dim));
+  return g * head_dim * sizeof(float) + n * kDecodeTile * rows +
          n * kDecodeTile * sizeof(std::int64_t) + 2 * g * kDecodeTile * sizeof(float) +
-         3 * g * sizeof(float) + (scaled_v<T> ? 2 * n * kDecodeTile * sizeof(float) : 0);
+         3 * g * sizeof(float) + (kAnyScaled<T> ? 2 * n * kDecodeTile * sizeof(float) : 0);
 }
 
 /// Pipeline stages of the decode kernel: double-buffered K/V tiles (the next tile's copies in
 /// flight while this one is used) wherever they fit, else one buffer (float K/V at head_dim 256).
-template <KVElement T, int D>
+template <KVFormat T, int D>
 __host__ __device__ constexpr int decode_stages() {
   return decode_smem_bytes<T>(D, kMaxGroup, 2) <= kMaxSmemBytes ? 2 : 1;
 }
@@ -174,50 +179,124 @@ __device__ __forceinline__ float2 load_pair(const T* p) {
   return make_float2(decode(p[0]), decode(p[1]));
 }
 
-/// Writes the 16 codes at src (16-byte aligned; zeros when !valid, src then unread) as 16 fp16
-/// values to dst (32 bytes, 16-byte aligned). Exact: every int8 and e4m3 code is an fp16 value.
-template <QuantizedElement T>
-__device__ __forceinline__ void store_codes_as_half(const char* src, bool valid, char* dst) {
-  const uint4 w = valid ? *reinterpret_cast<const uint4*>(src) : uint4{0u, 0u, 0u, 0u};
-  const unsigned words[4] = {w.x, w.y, w.z, w.w};
-  unsigned packed[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {  // halves 2i and 2i + 1: bytes 2i and 2i + 1 of the chunk
-    const unsigned bytes = words[i / 2] >> (16 * (i % 2));
-    const unsigned lo = __half_as_ushort(__float2half_rn(decode(code_of_byte<T>(bytes))));
-    const unsigned hi = __half_as_ushort(__float2half_rn(decode(code_of_byte<T>(bytes >> 8))));
-    packed[i] = lo | (hi << 16);
+/// Element i of E packed in the 32-bit words `words` (little-endian, as loaded from memory).
+template <KVElement E>
+__device__ __forceinline__ E element_at(const unsigned* words, int i) {
+  constexpr int kBytes = static_cast<int>(sizeof(E));
+  const unsigned bits = words[i * kBytes / 4] >> (8 * (i * kBytes % 4));
+  if constexpr (kBytes == 1) {
+    return code_of_byte<E>(bits);
+  } else if constexpr (kBytes == 2) {
+    E x;
+    x.bits = static_cast<unsigned short>(bits & 0xffffu);
+    return x;
+  } else {
+    return __uint_as_float(bits);
   }
-  reinterpret_cast<uint4*>(dst)[0] = uint4{packed[0], packed[1], packed[2], packed[3]};
-  reinterpret_cast<uint4*>(dst)[1] = uint4{packed[4], packed[5], packed[6], packed[7]};
 }
 
-/// Loads logical keys [i0, i0 + kRows) of (seq, kv_head) into one K and one V tile with 16-byte
-/// cp.async copies, kThreads threads; rows at or past `end` are zero-filled (so that p * V stays
-/// finite) and get position -1. Each warp loads kRows / warps consecutive rows: lane l first finds
-/// the position and element offset of the warp's row l (one block-table lookup and division per
-/// row, not per 16-byte chunk), then the warp copies 32 / chunks-per-row rows at a time, each
-/// lane reading its row's offset from the lane that found it. A quantized format's row scales
-/// go (as floats, plain loads, 0 for rows past `end`) to k_scale_tile and v_scale_tile
-/// [kRows], which are unused (may be null) for f32/f16/bf16. kToHalf (quantized formats only):
-/// the codes are read with plain loads and written to the tiles as fp16 values (rows of
-/// tile_row_bytes<half>(D) bytes), for the tensor cores; visible after the caller's next barrier
-/// like the copies.
-template <KVElement T, int D, int kThreads, int kRows, bool kToHalf = false>
+/// The 8 fp16 or bf16 values at p (16-byte aligned).
+template <Element T>
+requires(sizeof(T) == 2) __device__ __forceinline__ void load16(const T* p, float* out) {
+  const uint4 w = *reinterpret_cast<const uint4*>(p);
+  const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = to_f32(element_at<T>(words, i));
+}
+
+/// The 2 fp16 or bf16 values at p.
+template <Element T>
+requires(sizeof(T) == 2) __device__ __forceinline__ float2 load_pair(const T* p) {
+  return make_float2(to_f32(p[0]), to_f32(p[1]));
+}
+
+/// Writes the elements of E in the 16 bytes at src (16-byte aligned; zeros when !valid, src then
+/// unread) as values of Tile (fp16, bf16 or float: a tensor-core operand) to dst (16-byte
+/// aligned). Exact wherever the kernels use it: int8 and e4m3 codes are fp16, bf16 and float
+/// values, fp16 and bf16 values are floats.
+template <class Tile, KVElement E>
+__device__ __forceinline__ void store_chunk_as(const char* src, bool valid, char* dst) {
+  constexpr int kN = 16 / static_cast<int>(sizeof(E));             // elements read
+  constexpr int kWords = kN * static_cast<int>(sizeof(Tile)) / 4;  // 32-bit words written
+  static_assert(kWords % 4 == 0, "whole 16-byte stores");
+  const uint4 w = valid ? *reinterpret_cast<const uint4*>(src) : uint4{0u, 0u, 0u, 0u};
+  const unsigned words[4] = {w.x, w.y, w.z, w.w};
+  unsigned out[kWords];
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const float x = element_value(element_at<E>(words, i));
+    if constexpr (sizeof(Tile) == 4) {
+      out[i] = __float_as_uint(x);
+    } else {
+      const unsigned b = MmaTraits<Tile>::bits(MmaTraits<Tile>::from_float(x));
+      out[i / 2] = i % 2 == 0 ? b : out[i / 2] | (b << 16);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kWords / 4; ++j) {
+    reinterpret_cast<uint4*>(dst)[j] =
+        uint4{out[4 * j], out[4 * j + 1], out[4 * j + 2], out[4 * j + 3]};
+  }
+}
+
+/// Copies (or, when Tile is not E, converts with store_chunk_as) the rows of one side of a K/V
+/// tile: the warp's kRows / warps rows from `base` at the element offsets the lanes found
+/// (my_off of lane r for row r; my_valid 0 zero-fills), into `tile`, rows
+/// tile_row_bytes<Tile>(D) bytes apart. 16-byte cp.async copies, or plain loads and stores.
+template <KVElement E, class Tile, int D, int kThreads, int kRows>
+__device__ __forceinline__ void load_side_tile(const E* base, char* tile, std::int64_t my_off,
+                                               int my_valid, int lane, int row0) {
+  constexpr bool kConvert = !std::is_same_v<E, Tile>;
+  constexpr int kChunks = D * static_cast<int>(sizeof(E)) / 16;  // 16-byte chunks per row
+  constexpr int kStride = tile_row_bytes<Tile>(D);
+  constexpr int kChunkOut = 16 * static_cast<int>(sizeof(Tile)) / static_cast<int>(sizeof(E));
+  constexpr int kWarpRows = kRows / (kThreads / 32);
+  constexpr int kStepRows = kChunks >= 32 ? 1 : 32 / kChunks;  // rows per warp-wide copy
+  static_assert(kThreads % 32 == 0 && kRows % (kThreads / 32) == 0 && kWarpRows <= 32);
+  static_assert(kWarpRows % kStepRows == 0 &&
+                (kChunks >= 32 ? kChunks % 32 == 0 : 32 % kChunks == 0));
+  const int sub = kChunks >= 32 ? 0 : lane / kChunks;  // this lane's row within a step
+  const int chunk0 = kChunks >= 32 ? lane : lane % kChunks;
+#pragma unroll
+  for (int r = 0; r < kWarpRows; r += kStepRows) {
+    const std::int64_t off = __shfl_sync(kFullMask, my_off, r + sub);
+    const int valid = __shfl_sync(kFullMask, my_valid, r + sub);
+    const int row = row0 + r + sub;
+    const char* src = reinterpret_cast<const char*>(base + off);
+#pragma unroll
+    for (int chunk = chunk0; chunk < kChunks; chunk += 32) {
+      if constexpr (kConvert) {
+        store_chunk_as<Tile, E>(src + chunk * 16, valid, tile + row * kStride + chunk * kChunkOut);
+      } else {
+        __pipeline_memcpy_async(tile + row * kStride + chunk * 16, src + chunk * 16, 16,
+                                valid ? 0 : 16);
+      }
+    }
+  }
+}
+
+/// Loads logical keys [i0, i0 + kRows) of (seq, kv_head) into one K and one V tile, kThreads
+/// threads; rows at or past `end` are zero-filled (so that p * V stays finite) and get position
+/// -1. Each warp loads kRows / warps consecutive rows: lane l first finds the position and element
+/// offset of the warp's row l (one block-table lookup and division per row, not per 16-byte
+/// chunk, shared by both sides), then each side's rows are copied 32 / chunks-per-row at a time
+/// (load_side_tile), each lane reading its row's offset from the lane that found it. A quantized
+/// side's row scales go (as floats, plain loads, 0 for rows past `end`) to k_scale_tile or
+/// v_scale_tile [kRows] (unused, may be null, for a side in f32/f16/bf16). KTile / VTile: what
+/// each side's tile holds, its own format (16-byte cp.async copies, rows tile_row_bytes of it) or
+/// a tensor-core operand type its values are converted to on the way in (store_chunk_as, plain
+/// loads and stores); visible after the caller's next barrier like the copies.
+template <KVFormat T, int D, int kThreads, int kRows, class KTile = key_format_t<T>,
+          class VTile = value_format_t<T>>
 __device__ __forceinline__ void load_kv_tile(const DeviceKVView<T>& view, int seq, int kv_head,
                                              const KeyRange& keys, std::int64_t i0,
                                              std::int64_t end, char* k_tile, char* v_tile,
                                              std::int64_t* pos_tile, int tid,
                                              float* k_scale_tile = nullptr,
                                              float* v_scale_tile = nullptr) {
-  static_assert(!kToHalf || scaled_v<T>, "only codes are converted on the way in");
-  constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks per row
-  constexpr int kStride = kToHalf ? tile_row_bytes<kvcache::half>(D) : tile_row_bytes<T>(D);
+  using K = key_format_t<T>;
+  using V = value_format_t<T>;
   constexpr int kWarpRows = kRows / (kThreads / 32);
-  constexpr int kStepRows = kChunks >= 32 ? 1 : 32 / kChunks;  // rows per warp-wide copy
-  static_assert(kThreads % 32 == 0 && kRows % (kThreads / 32) == 0 && kWarpRows <= 32);
-  static_assert(kWarpRows % kStepRows == 0 &&
-                (kChunks >= 32 ? kChunks % 32 == 0 : 32 % kChunks == 0));
   const int lane = tid % 32, row0 = tid / 32 * kWarpRows;
   std::int64_t my_off = 0;
   int my_valid = 0;
@@ -227,33 +306,15 @@ __device__ __forceinline__ void load_kv_tile(const DeviceKVView<T>& view, int se
     const std::int64_t pos = my_valid ? keys.pos(i) : -1;
     if (my_valid) my_off = view.row_offset(seq, kv_head, pos);
     pos_tile[row0 + lane] = pos;
-    if constexpr (scaled_v<T>) {
+    if constexpr (scaled_v<K>) {
       k_scale_tile[row0 + lane] = my_valid ? static_cast<float>(view.k_scale[my_off / D]) : 0.0f;
+    }
+    if constexpr (scaled_v<V>) {
       v_scale_tile[row0 + lane] = my_valid ? static_cast<float>(view.v_scale[my_off / D]) : 0.0f;
     }
   }
-  const int sub = kChunks >= 32 ? 0 : lane / kChunks;  // this lane's row within a step
-  const int chunk0 = kChunks >= 32 ? lane : lane % kChunks;
-#pragma unroll
-  for (int r = 0; r < kWarpRows; r += kStepRows) {
-    const std::int64_t off = __shfl_sync(kFullMask, my_off, r + sub);
-    const int valid = __shfl_sync(kFullMask, my_valid, r + sub);
-    const int row = row0 + r + sub;
-    const char* ks = reinterpret_cast<const char*>(view.k + off);
-    const char* vs = reinterpret_cast<const char*>(view.v + off);
-#pragma unroll
-    for (int chunk = chunk0; chunk < kChunks; chunk += 32) {
-      if constexpr (kToHalf) {
-        store_codes_as_half<T>(ks + chunk * 16, valid, k_tile + row * kStride + chunk * 32);
-        store_codes_as_half<T>(vs + chunk * 16, valid, v_tile + row * kStride + chunk * 32);
-      } else {
-        __pipeline_memcpy_async(k_tile + row * kStride + chunk * 16, ks + chunk * 16, 16,
-                                valid ? 0 : 16);
-        __pipeline_memcpy_async(v_tile + row * kStride + chunk * 16, vs + chunk * 16, 16,
-                                valid ? 0 : 16);
-      }
-    }
-  }
+  load_side_tile<K, KTile, D, kThreads, kRows>(view.k, k_tile, my_off, my_valid, lane, row0);
+  load_side_tile<V, VTile, D, kThreads, kRows>(view.v, v_tile, my_off, my_valid, lane, row0);
 }
 
 /// The K/V tile pipeline of the attention kernels: compute(i0, buf) for i0 = first,
@@ -334,7 +395,7 @@ struct DecodeBlockWork {
   std::int64_t qpos = 0, begin = 0, end = 0;
   KeyRange keys;
 };
-template <KVElement T>
+template <KVFormat T>
 __device__ __forceinline__ DecodeBlockWork decode_block_work(const DeviceKVView<T>& view,
                                                              const DecodeArgs& args) {
   const int num_q_heads = args.num_q_heads, chunk_group = args.chunk_group;

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Decode attention for fp32, int8 and fp8 K/V on CUDA cores (DecodeKernel::cuda_cores).
+// Decode attention for fp32, int8 and fp8 K/V and K/V format pairs on CUDA cores
+// (DecodeKernel::cuda_cores).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -13,10 +14,11 @@
 
 namespace kvcache::cuda::detail {
 
-/// Decode attention for fp32 K/V, and for int8 and fp8 codes read directly, on CUDA cores
-/// (fp16/bf16 K/V take decode_attention_mma_kernel). A quantized row's K scale multiplies its
-/// q.k, and its V scale the softmax weight of a key the query sees (a key it does not see keeps
-/// weight 0, whatever its scale).
+/// Decode attention for fp32 K/V, for int8 and fp8 codes read directly, and for a KVFormats<K, V>
+/// pair (each side read in its own format), on CUDA cores (fp16/bf16 K/V take
+/// decode_attention_mma_kernel). A quantized row's K scale multiplies its q.k, and its V scale
+/// the softmax weight of a key the query sees (a key it does not see keeps weight 0, whatever its
+/// scale).
 /// One block per (split, KV head x head chunk, sequence), its query token at position
 /// length - 1; the block serves query heads [h0, h0 + ng) of the KV head. Per tile: partial q.k
 /// for every (query head, key) — thread = (key, half of head_dim) so that a warp reads 32
@@ -25,18 +27,19 @@ namespace kvcache::cuda::detail {
 /// normalised output when num_splits == 1, else the unnormalised partial (acc, m, l) that
 /// decode_merge_kernel combines. G = decode_head_bucket(chunk_group): the heads the p.V
 /// accumulators are unrolled for.
-template <KVElement T, int D, int G>
+template <KVFormat T, int D, int G>
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_kernel(DeviceKVView<T> view, DecodeArgs args) {
-  static_assert(std::is_same_v<T, float> || scaled_v<T>,
-                "fp16/bf16 K/V: decode_attention_mma_kernel");
+  using K = key_format_t<T>;
+  using V = value_format_t<T>;
+  static_assert(kCudaCoreDecode<T>, "fp16/bf16 K/V: decode_attention_mma_kernel");
   static_assert(kDecodeThreads == 2 * kDecodeTile, "thread = (key, half of head_dim)");
   constexpr int kStages = decode_stages<T, D>();
   static_assert(decode_smem_bytes<T>(D, kMaxGroup, kStages) <= kMaxSmemBytes);
-  constexpr int kRowStride = tile_row_bytes<T>(D);
+  constexpr int kKStride = tile_row_bytes<K>(D), kVStride = tile_row_bytes<V>(D);
   static_assert(G <= kMaxGroup && G * (D / 2) % kDecodeThreads == 0);
   constexpr int kPairs = G * (D / 2) / kDecodeThreads;  // float2 accumulators per thread
-  constexpr int kElemsPer16 = 16 / static_cast<int>(sizeof(T));
+  constexpr int kElemsPer16 = 16 / static_cast<int>(sizeof(K));
   const DecodeBlockWork work = decode_block_work(view, args);
   const int split = work.split, seq = work.seq, kv_head = work.kv_head, h0 = work.h0, ng = work.ng;
   const std::int64_t qpos = work.qpos, begin = work.begin, end = work.end;
@@ -45,17 +48,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   extern __shared__ __align__(128) unsigned char smem[];
   char* tiles = reinterpret_cast<char*>(smem);  // K[stages] then V[stages]
-  constexpr int kTileBytes = kDecodeTile * kRowStride;
-  auto k_tile_at = [&](int b) { return tiles + b * kTileBytes; };
-  auto v_tile_at = [&](int b) { return tiles + (kStages + b) * kTileBytes; };
+  constexpr int kKTileBytes = kDecodeTile * kKStride, kVTileBytes = kDecodeTile * kVStride;
+  auto k_tile_at = [&](int b) { return tiles + b * kKTileBytes; };
+  auto v_tile_at = [&](int b) { return tiles + kStages * kKTileBytes + b * kVTileBytes; };
   std::int64_t* pos_tiles =
-      reinterpret_cast<std::int64_t*>(tiles + 2 * kStages * kDecodeTile * kRowStride);
+      reinterpret_cast<std::int64_t*>(tiles + kStages * (kKTileBytes + kVTileBytes));
   float* q_s = reinterpret_cast<float*>(pos_tiles + kStages * kDecodeTile);  // [ng][D]
   float* s_s = q_s + ng * D;                                                 // [2][ng][tile]
   float* m_s = s_s + 2 * ng * kDecodeTile;
   float* l_s = m_s + ng;
   float* corr_s = l_s + ng;
-  float* k_scales = corr_s + ng;  // quantized formats: [stages][tile] K, then V, row scales
+  float* k_scales = corr_s + ng;  // a quantized side: [stages][tile] K, then V, row scales
   float* v_scales = k_scales + kStages * kDecodeTile;
 
   for (int i = tid; i < ng * D; i += kDecodeThreads) {
@@ -86,7 +89,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
     {  // partial q.k over one half of head_dim, four query heads per pass over the row
       const int key = tid % kDecodeTile, part = tid / kDecodeTile;
-      const T* krow = reinterpret_cast<const T*>(k_tile + key * kRowStride) + part * (D / 2);
+      const K* krow = reinterpret_cast<const K*>(k_tile + key * kKStride) + part * (D / 2);
       const float* qrow = q_s + part * (D / 2);
       for (int g0 = 0; g0 < ng; g0 += 4) {
         float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -124,14 +127,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
         const int j = lane + 32 * h;
         const std::int64_t pos = pos_tile[j];
         float dot = s[j] + s_other[j];
-        if constexpr (scaled_v<T>) dot *= k_scale[j];
+        if constexpr (scaled_v<K>) dot *= k_scale[j];
         seen[h] = pos >= 0 && args.mask.visible(qpos, pos);
         sc[h] =
             transform_score(args.mask.score(dot, seq, 0, h0 + g, pos), args.softcap, seen[h], bad);
       }
       float p[2];
       online_softmax_step(sc, p, &m_s[g], &l_s[g], &corr_s[g], lane, bad);
-      if constexpr (scaled_v<T>) {  // weights of the codes: the V scale folded in
+      if constexpr (scaled_v<V>) {  // weights of the codes: the V scale folded in
         p[0] = seen[0] ? p[0] * v_scale[lane] : 0.0f;
         p[1] = seen[1] ? p[1] * v_scale[lane + 32] : 0.0f;
       }
@@ -144,7 +147,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     // d and each V pair of the tile is read once for all of them. p is read four keys at a time
     // (broadcast). Accumulators are rescaled by the tile's correction first.
     static_assert(kDecodeThreads % (D / 2) == 0);
-    const char* vcol = v_tile + 2 * (tid % (D / 2)) * static_cast<int>(sizeof(T));
+    const char* vcol = v_tile + 2 * (tid % (D / 2)) * static_cast<int>(sizeof(V));
 #pragma unroll
     for (int a = 0; a < kPairs; ++a) {
       const int g = (a * kDecodeThreads + tid) / (D / 2);
@@ -159,7 +162,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       float2 vv[4];
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        vv[jj] = load_pair(reinterpret_cast<const T*>(vcol + (4 * j4 + jj) * kRowStride));
+        vv[jj] = load_pair(reinterpret_cast<const V*>(vcol + (4 * j4 + jj) * kVStride));
       }
 #pragma unroll
       for (int a = 0; a < kPairs; ++a) {

@@ -8,12 +8,15 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <type_traits>
 
 #include "kvcache/attention/options.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/format.hpp"
 
 namespace kvcache::cuda {
 
@@ -152,13 +155,15 @@ enum class DecodeKernel : int {
 }
 
 /// True for the K/V formats decode attention reads on CUDA cores only (DecodeKernel::cuda_cores):
-/// f32, and the int8 and fp8 codes (read directly, their row scales applied per key). fp16 and
-/// bf16 K/V take the tensor-core kernels.
-template <KVElement T>
-inline constexpr bool kCudaCoreDecode = std::is_same_v<T, float> || QuantizedElement<T>;
+/// f32, the int8 and fp8 codes (read directly, their row scales applied per key), and every
+/// KVFormats<K, V> pair (each side read in its own format). fp16 and bf16 K/V take the
+/// tensor-core kernels.
+template <KVFormat T>
+inline constexpr bool kCudaCoreDecode =
+    std::is_same_v<T, float> || QuantizedElement<T> || !KVElement<T>;
 
 /// The kernel a DecodeSetup for T K/V takes when none is named.
-template <KVElement T>
+template <KVFormat T>
 inline constexpr DecodeKernel default_decode_kernel =
     kCudaCoreDecode<T> ? DecodeKernel::cuda_cores : DecodeKernel::tensor_cores;
 
@@ -170,8 +175,10 @@ inline constexpr DecodeKernel default_decode_kernel =
 /// memory limit, occupancy), host time that a short kernel (small batch or context) does not
 /// hide. Plain data: copy it, keep one per (device, model).
 struct DecodeSetup {
-  int device = -1;             ///< the CUDA device it was queried on
-  DType dtype = DType::f32;    ///< element type of the K/V it serves
+  int device = -1;           ///< the CUDA device it was queried on
+  DType dtype = DType::f32;  ///< storage format of the K/V it serves (of K for a KVFormats pair)
+  /// A KVFormats pair's V format (unset: V in dtype too).
+  std::optional<DType> value_dtype = std::nullopt;
   int head_dim = 0;            ///< 64, 128 or 256
   int group = 0;               ///< query heads per KV head
   std::size_t smem_bytes = 0;  ///< dynamic shared memory per decode block
@@ -182,9 +189,19 @@ struct DecodeSetup {
 
 namespace detail {
 
-/// @throws shape_error unless `kernel` serves T K/V (cuda_cores: float, int8, fp8; the others
-///         fp16/bf16).
-template <KVElement T>
+/// "f16", or "K f16 + V int8" for a pair: how messages name a format.
+inline std::string format_name(DType k, DType v) {
+  return k == v ? std::string(dtype_name(k))
+                : kvcache::detail::message("K ", dtype_name(k), " + V ", dtype_name(v));
+}
+template <KVFormat T>
+std::string format_name() {
+  return format_name(dtype_of<key_format_t<T>>, dtype_of<value_format_t<T>>);
+}
+
+/// @throws shape_error unless `kernel` serves T K/V (cuda_cores: float, int8, fp8, pairs; the
+///         others fp16/bf16).
+template <KVFormat T>
 void check_kernel(DecodeKernel kernel, const char* what) {
   const bool cores = kCudaCoreDecode<T>;
   const bool ok = kernel == DecodeKernel::cuda_cores
@@ -194,7 +211,7 @@ void check_kernel(DecodeKernel kernel, const char* what) {
   if (!ok) {
     throw shape_error(kvcache::detail::message(what, ": decode kernel ", decode_kernel_name(kernel),
                                                " (", static_cast<int>(kernel), ") does not serve ",
-                                               dtype_name(dtype_of<T>), " K/V"));
+                                               format_name<T>(), " K/V"));
   }
 }
 
@@ -207,14 +224,17 @@ inline int decode_max_group(const DecodeSetup& setup) {
 
 /// @throws shape_error unless `setup` was made for T, head_dim and group (on any device) and
 ///         names a kernel for T.
-template <KVElement T>
+template <KVFormat T>
 void check_setup(const DecodeSetup& setup, int head_dim, int group, const char* what) {
-  if (setup.dtype != dtype_of<T> || setup.head_dim != head_dim || setup.group != group ||
-      setup.blocks_per_sm < 1 || setup.num_sms < 1) {
+  const DType value_dtype = setup.value_dtype.value_or(setup.dtype);
+  if (setup.dtype != dtype_of<key_format_t<T>> || value_dtype != dtype_of<value_format_t<T>> ||
+      setup.head_dim != head_dim || setup.group != group || setup.blocks_per_sm < 1 ||
+      setup.num_sms < 1) {
     throw shape_error(kvcache::detail::message(
-        what, ": DecodeSetup for ", dtype_name(setup.dtype), ", head_dim ", setup.head_dim,
-        ", group ", setup.group, " (", setup.num_sms, " SMs x ", setup.blocks_per_sm,
-        " blocks) used for ", dtype_name(dtype_of<T>), ", head_dim ", head_dim, ", group ", group));
+        what, ": DecodeSetup for ", format_name(setup.dtype, value_dtype), ", head_dim ",
+        setup.head_dim, ", group ", setup.group, " (", setup.num_sms, " SMs x ",
+        setup.blocks_per_sm, " blocks) used for ", format_name<T>(), ", head_dim ", head_dim,
+        ", group ", group));
   }
   check_kernel<T>(setup.kernel, what);
 }
@@ -234,8 +254,8 @@ inline DecodePlan plan_decode(const DecodeSetup& setup, int num_seqs, int num_kv
 /// sequences whose views hold at most `max_keys` keys (DeviceKVView::max_keys): the partials of
 /// every split, 0 when one split suffices. Non-decreasing in max_keys: query it once for the
 /// longest context served, allocate, and reuse the buffer for every launch. No CUDA call.
-/// @throws shape_error (setup made for another dtype, head_dim or group).
-template <KVElement T>
+/// @throws shape_error (setup made for another format, head_dim or group).
+template <KVFormat T>
 [[nodiscard]] std::size_t decode_workspace_bytes(const DecodeSetup& setup, int num_seqs,
                                                  int num_q_heads, int num_kv_heads, int head_dim,
                                                  std::int64_t max_keys) {

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "kvcache/core/buffer.hpp"
 #include "kvcache/core/error.hpp"
 #include "kvcache/cuda/cache_kernels.cuh"
 #include "kvcache/cuda/runtime.cuh"
@@ -48,25 +49,23 @@ class PagedTables {
 
   /// BlockManager::begin_append() of counts[i] tokens to seqs[i] (ids: sum(counts) ids grouped
   /// like them, or nullptr), then the copy-on-write copies of the whole batch in one launch per
-  /// kMaxCopiesPerLaunch (every layer of each block, whole: `storage`, `layer_elems` from one
-  /// layer to the next, `block_elems` per block; and a quantized format's `scales`, one per row of
-  /// head_dim elements, laid out as the rows; null otherwise), then the new table entries. The
-  /// caller writes the rows and calls end_append(). @throws as BlockManager::begin_append
-  /// (nothing changed), cuda_error.
-  template <KVElement T>
+  /// kMaxCopiesPerLaunch and array of `rows` (every layer of each block, whole: rows and scales,
+  /// KVRows::for_each_array; `rows` holds num_layers x num_blocks slabs, layer-major), then the
+  /// new table entries. The caller writes the rows and calls end_append(). @throws as
+  /// BlockManager::begin_append (nothing changed), cuda_error.
+  template <KVFormat T>
   std::span<const BlockManager<>::AppendPlan> begin_append(
       std::size_t layer, std::span<const std::size_t> seqs, std::span<const std::size_t> counts,
-      const token_id* ids, T* storage, std::size_t layer_elems, std::size_t block_elems,
-      scale_type* scales, std::size_t head_dim, cudaStream_t stream) {
+      const token_id* ids, KVRows<T, DeviceArrays>& rows, cudaStream_t stream) {
     for (std::size_t i = 0, t = 0; i < seqs.size(); t += counts[i++]) {
       requests_[i] = {seqs[i], counts[i], ids == nullptr ? nullptr : ids + t};
     }
     const auto plans = std::span(plans_).first(seqs.size());
     manager_.begin_append(layer, std::span(requests_).first(seqs.size()), plans);
-    copy_blocks(plans, storage, layer_elems, block_elems, stream);
-    if (scales != nullptr) {
-      copy_blocks(plans, scales, layer_elems / head_dim, block_elems / head_dim, stream);
-    }
+    rows.for_each_array([&](std::byte* array, std::size_t block_bytes) {
+      copy_blocks(plans, reinterpret_cast<unsigned char*>(array),
+                  manager_.num_blocks() * block_bytes, block_bytes, stream);
+    });
     for (const auto& plan : plans) {
       // from the first block written; end_append() may switch committed ones after it
       sync_from_[plan.seq] =
@@ -125,17 +124,16 @@ class PagedTables {
   }
 
  private:
-  template <class T>
-  void copy_blocks(std::span<const BlockManager<>::AppendPlan> plans, T* storage,
-                   std::size_t layer_elems, std::size_t block_elems, cudaStream_t stream) {
+  void copy_blocks(std::span<const BlockManager<>::AppendPlan> plans, unsigned char* array,
+                   std::size_t layer_bytes, std::size_t block_bytes, cudaStream_t stream) {
     detail::CopyBatch batch;
     const auto flush = [&] {
       if (batch.count == 0) return;
       const dim3 grid(static_cast<unsigned>(batch.count),
                       static_cast<unsigned>(manager_.num_layers()));
-      detail::copy_blocks_kernel<T>
-          <<<grid, 256, 0, stream>>>(storage, static_cast<std::int64_t>(layer_elems),
-                                     static_cast<std::int64_t>(block_elems), batch);
+      detail::copy_blocks_kernel<<<grid, 256, 0, stream>>>(
+          array, static_cast<std::int64_t>(layer_bytes), static_cast<std::int64_t>(block_bytes),
+          batch);
       check_launch("kvcache::cuda::copy_blocks_kernel");
       batch.count = 0;
     };

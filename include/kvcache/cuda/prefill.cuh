@@ -28,15 +28,26 @@ inline constexpr int kPrefillKeys = 64;      ///< keys per step
 
 namespace detail {
 
-/// The tensor-core operand type of the prefill kernel over T K/V: T itself, or fp16 for the int8
-/// and fp8 codes (every code is an fp16 value; the row scales are applied apart).
-template <KVElement T>
-using prefill_operand_t = std::conditional_t<scaled_v<T>, kvcache::half, T>;
+/// The tensor-core operand of one side's values: E itself, or fp16 for the int8 and fp8 codes
+/// (every code is an fp16 value; the row scales are applied apart).
+template <KVElement E>
+using side_operand_t = std::conditional_t<scaled_v<E>, kvcache::half, E>;
+
+/// The tensor-core operand type of the prefill kernel over T K/V (both sides' tiles hold it):
+/// side_operand_t of its format; for a KVFormats<K, V> pair whose sides differ in it, the type of
+/// its unquantized side (int8 and e4m3 codes are bf16 and tf32 values too), or tf32 for two
+/// different unquantized types (fp16 and bf16 values are floats).
+template <KVFormat T>
+using prefill_operand_t = std::conditional_t<
+    std::is_same_v<side_operand_t<key_format_t<T>>, side_operand_t<value_format_t<T>>>,
+    side_operand_t<key_format_t<T>>,
+    std::conditional_t<scaled_v<key_format_t<T>>, value_format_t<T>,
+                       std::conditional_t<scaled_v<value_format_t<T>>, key_format_t<T>, float>>>;
 
 /// Shared-memory row strides (elements) and byte offsets of the prefill kernel with kStages K/V
-/// buffers; for int8 and fp8 also the tiles' K and V row scales [2][kStages][64] and the largest
-/// V scale of each warp's 16 rows [4].
-template <KVElement T, int D, int kStages>
+/// buffers; where a side is int8 or fp8 also the tiles' K and V row scales [2][kStages][64] and
+/// the largest V scale of each warp's 16 rows [4].
+template <KVFormat T, int D, int kStages>
 struct PrefillLayout {
   using S = typename MmaTraits<prefill_operand_t<T>>::storage;
   static constexpr int kStageCount = kStages;
@@ -59,7 +70,7 @@ struct PrefillLayout {
   static constexpr std::size_t kScales = kVBad + (kPrefillThreads / 32) * sizeof(std::uint32_t);
   static constexpr std::size_t kVMax = kScales + 2 * kStages * sizeof(float) * kPrefillKeys;
   static constexpr std::size_t kBytes =
-      scaled_v<T> ? kVMax + (kPrefillThreads / 32) * sizeof(float) : kScales;
+      kAnyScaled<T> ? kVMax + (kPrefillThreads / 32) * sizeof(float) : kScales;
 };
 
 /// True when one of the elements packed in the 32-bit word w (one float, or two fp16/bf16) is inf
@@ -85,7 +96,7 @@ __host__ __device__ __forceinline__ float pow2_at_least(float x) {
 
 /// The prefill kernel's layout: K/V double-buffered (the next tile's copies in flight while this
 /// one is used) wherever that fits, else one buffer (fp16/bf16 at head_dim 256, float at 128).
-template <KVElement T, int D>
+template <KVFormat T, int D>
 using PrefillSmem = std::conditional_t<PrefillLayout<T, D, 2>::kBytes <= kMaxSmemBytes,
                                        PrefillLayout<T, D, 2>, PrefillLayout<T, D, 1>>;
 
@@ -96,21 +107,23 @@ using PrefillSmem = std::conditional_t<PrefillLayout<T, D, 2>::kBytes <= kMaxSme
 /// accumulator rows, and adds p.V on tensor cores. The V rows of a tile that hold an inf or NaN
 /// are zeroed in shared memory first and flagged: a row that sees such a key is NaN (its l), and
 /// the rows that do not, whose weight for it is 0, add 0 instead of 0 * inf = NaN.
-/// int8 and fp8: the codes enter the tiles as fp16 values (plain loads, converted on the way);
-/// each score is multiplied by its key's K scale, and each weight of a seen key by its V scale
+/// int8 and fp8: the codes enter the tiles as fp16 values (plain loads, converted on the way; a
+/// KVFormats pair's side that is not in the operand type likewise, prefill_operand_t); each score
+/// of int8/fp8 keys is multiplied by its key's K scale, and with int8/fp8 values each weight of a
+/// seen key by its V scale
 /// over the least power of two at or above the tile's largest (so that it stays within 1 in
 /// fp16), the tile's p.V then scaled back by that power in fp32. A V scale that is NaN flags its
 /// row like a non-finite V row. So an inf or NaN in a key a row does not see leaves that row's
 /// output NaN-free, and moves it at most by rounding (a weight in fp16's subnormal range, if the
 /// bad row held the tile's largest scale), where the fp16/bf16 kernel changes no bit.
-template <KVElement T, int D>
+template <KVFormat T, int D>
 __global__ void __launch_bounds__(kPrefillThreads)
     prefill_attention_kernel(DeviceKVView<T> view, const float* __restrict__ q,
                              float* __restrict__ out, const std::int32_t* __restrict__ q_offsets,
                              int num_q_heads, DeviceMask mask, float scale, float softcap) {
   namespace wmma = nvcuda::wmma;
   using O = prefill_operand_t<T>;
-  constexpr bool kScaled = scaled_v<T>;
+  constexpr bool kKScaled = scaled_v<key_format_t<T>>, kVScaled = scaled_v<value_format_t<T>>;
   using Traits = MmaTraits<O>;
   using S = typename Traits::storage;
   using Op = typename Traits::operand;
@@ -146,7 +159,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
   float* l_s = m_s + kPrefillRows;
   float* corr_s = l_s + kPrefillRows;
   std::uint32_t* v_bad_s = reinterpret_cast<std::uint32_t*>(smem + L::kVBad);
-  // int8/fp8: row scales [kStages][64] of K, then V; the largest V scale of each warp's rows
+  // int8/fp8 sides: row scales [kStages][64] of K, then V; the largest V scale of each warp's rows
   float* k_scales = reinterpret_cast<float*>(smem + L::kScales);
   float* v_scales = k_scales + kStages * kPrefillKeys;
   float* v_max_s = reinterpret_cast<float*>(smem + L::kVMax);
@@ -176,7 +189,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
     return i < count && !(mask.causal && keys.pos(i) > last_pos);
   };
   auto load = [&](std::int64_t i, int b) {
-    load_kv_tile<T, D, kPrefillThreads, kPrefillKeys, kScaled>(
+    load_kv_tile<T, D, kPrefillThreads, kPrefillKeys, O, O>(
         view, seq, kv_head, keys, i, count, reinterpret_cast<char*>(k_at(b)),
         reinterpret_cast<char*>(v_at(b)), pos_at(b), tid, k_scales + b * kPrefillKeys,
         v_scales + b * kPrefillKeys);
@@ -205,7 +218,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
           bad_rows |= 1u << r;
         }
       }
-      if constexpr (kScaled) {  // a NaN scale marks a non-finite row; the finite ones' largest
+      if constexpr (kVScaled) {  // a NaN scale marks a non-finite row; the finite ones' largest
         const float vs = lane < 16 ? v_scale[warp * 16 + lane] : 0.0f;
         if (lane < 16 && !is_finite(vs)) bad_rows |= 1u << lane;
         const float most = warp_max(lane < 16 && is_finite(vs) ? vs : 0.0f);
@@ -225,7 +238,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
       for (int kk = 0; kk < D; kk += kK) {
         wmma::fragment<wmma::matrix_a, 16, 16, kK, Op, wmma::row_major> a;
         wmma::load_matrix_sync(a, q_s + warp * 16 * L::kLdQ + kk, L::kLdQ);
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<O, float>) {
 #pragma unroll
           for (int e = 0; e < a.num_elements; ++e) a.x[e] = wmma::__float_to_tf32(a.x[e]);
         }
@@ -233,7 +246,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
         for (int c = 0; c < kPrefillKeys / 16; ++c) {
           wmma::fragment<wmma::matrix_b, 16, 16, kK, Op, wmma::col_major> b;
           wmma::load_matrix_sync(b, k_s + c * 16 * L::kLdQ + kk, L::kLdQ);
-          if constexpr (std::is_same_v<T, float>) {
+          if constexpr (std::is_same_v<O, float>) {
 #pragma unroll
             for (int e = 0; e < b.num_elements; ++e) b.x[e] = wmma::__float_to_tf32(b.x[e]);
           }
@@ -247,9 +260,9 @@ __global__ void __launch_bounds__(kPrefillThreads)
       }
     }
     __syncthreads();  // every warp's zeroed V rows, v_bad_s and v_max_s
-    // int8/fp8: the weights of the codes carry v_scale / v_max, p.V is scaled back by v_max
+    // int8/fp8 V: the weights of the codes carry v_scale / v_max, p.V is scaled back by v_max
     [[maybe_unused]] float v_max = 1.0f;
-    if constexpr (kScaled) {
+    if constexpr (kVScaled) {
       const float most = fmaxf(fmaxf(v_max_s[0], v_max_s[1]), fmaxf(v_max_s[2], v_max_s[3]));
       if (most > 0.0f) v_max = pow2_at_least(most);  // else every weight is 0 anyway
     }
@@ -266,7 +279,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
         const std::int64_t pos = pos_s[j];
         const bool visible = r < rows && pos >= 0 && mask.visible(qpos, pos);
         float raw = s_s[r * L::kLdS + j];
-        if constexpr (kScaled) raw *= k_scale[j];
+        if constexpr (kKScaled) raw *= k_scale[j];
         sc[h] = transform_score(visible ? mask.score(raw, seq, row0 + r, q_head, pos) : raw,
                                 softcap, visible, bad);
         bad = bad || (visible && (v_bad_s[j / 16] >> (j % 16) & 1u) != 0);
@@ -274,7 +287,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
       }
       float p[2];
       online_softmax_step(sc, p, &m_s[r], &l_s[r], &corr_s[r], lane, bad);
-      if constexpr (kScaled) {
+      if constexpr (kVScaled) {
         p[0] = seen[0] ? p[0] * (v_scale[lane] / v_max) : 0.0f;
         p[1] = seen[1] ? p[1] * (v_scale[lane + 32] / v_max) : 0.0f;
       }
@@ -293,7 +306,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
       wmma::fragment<wmma::accumulator, 16, 16, kK, float> o, pv;  // pv: this tile's p.V
       float* o_tile = o_s + warp * 16 * L::kLdO + c * 16;
       wmma::load_matrix_sync(o, o_tile, L::kLdO, wmma::mem_row_major);
-      if constexpr (kScaled) {
+      if constexpr (kVScaled) {
         wmma::fill_fragment(pv, 0.0f);
       } else {
         pv = o;
@@ -304,7 +317,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
         wmma::fragment<wmma::matrix_b, 16, 16, kK, Op, wmma::row_major> b;
         wmma::load_matrix_sync(a, p_s + warp * 16 * L::kLdP + kk, L::kLdP);
         wmma::load_matrix_sync(b, v_s + kk * L::kLdQ + c * 16, L::kLdQ);
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<O, float>) {
 #pragma unroll
           for (int e = 0; e < a.num_elements; ++e) a.x[e] = wmma::__float_to_tf32(a.x[e]);
 #pragma unroll
@@ -312,7 +325,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
         }
         wmma::mma_sync(pv, a, b, pv);
       }
-      if constexpr (kScaled) {
+      if constexpr (kVScaled) {
 #pragma unroll
         for (int e = 0; e < o.num_elements; ++e) o.x[e] += v_max * pv.x[e];
       } else {

@@ -125,5 +125,11 @@ class DeviceBuffer {
   std::size_t size_ = 0;
 };
 
+/// Where a DeviceCache keeps its rows (KVRows<F, DeviceArrays>, core/buffer.hpp): DeviceBuffer.
+struct DeviceArrays {
+  template <class T>
+  using array = DeviceBuffer<T>;
+};
+
 }  // namespace cuda
 }  // namespace kvcache

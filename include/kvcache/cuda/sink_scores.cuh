@@ -75,7 +75,7 @@ struct DeviceRope {
 /// scale * q.k of each sink key the view holds (positions below min(sinks, length)) to `out`,
 /// indexed as DeviceMask::score reads mask.sink_scores. Rows past a sequence's query count write
 /// nothing. q_offsets null: decode, one row per non-empty sequence (row s of q).
-template <KVElement T, int D>
+template <KVFormat T, int D>
 __global__ void sink_score_kernel(DeviceKVView<T> view, const float* __restrict__ q,
                                   const std::int32_t* __restrict__ q_offsets, DeviceRope rope,
                                   DeviceMask mask, float scale, float* __restrict__ out) {
@@ -110,10 +110,10 @@ __global__ void sink_score_kernel(DeviceKVView<T> view, const float* __restrict_
   const std::int64_t count = mask.sinks < length ? mask.sinks : length;
   for (std::int64_t j = threadIdx.x; j < count; j += blockDim.x) {
     const std::int64_t off = view.row_offset(seq, kv_head, j);
-    const T* k = view.k + off;
+    const key_format_t<T>* k = view.k + off;
     float dot = 0.0f;
     for (int d = 0; d < D; ++d) dot += qt[d] * element_value(k[d]);
-    if constexpr (scaled_v<T>) dot *= static_cast<float>(view.k_scale[off / D]);
+    if constexpr (scaled_v<key_format_t<T>>) dot *= static_cast<float>(view.k_scale[off / D]);
     out[((seq * mask.sink_rows + row_in_seq) * mask.sink_heads + head) * mask.sinks + j] =
         dot * scale;
   }
@@ -122,7 +122,7 @@ __global__ void sink_score_kernel(DeviceKVView<T> view, const float* __restrict_
 /// Sets up `mask` for cache_relative positions and launches sink_score_kernel on `stream`, the
 /// scores going to `scores` (sink_score_bytes(...) bytes). Does nothing unless
 /// needs_sink_scores(opts). @throws shape_error (a RoPE for another head_dim), cuda_error.
-template <KVElement T, int D>
+template <KVFormat T, int D>
 void launch_sink_scores(const DeviceKVView<T>& view, const float* q, const std::int32_t* q_offsets,
                         int rows_per_seq, int num_q_heads, const AttentionOptions& opts,
                         float scale, float* scores, DeviceMask& mask, cudaStream_t stream) {

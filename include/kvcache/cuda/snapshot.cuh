@@ -25,7 +25,7 @@ namespace detail {
 
 // A host PagedCache with the device cache's shape, slots, max_seq_len and block size, and
 // `blocks` blocks: the staging of a device snapshot.
-template <KVElement T>
+template <KVFormat T>
 PagedCache<T> staging_cache(const DeviceCache<T>& cache, std::size_t blocks) {
   const DeviceCacheConfig& c = cache.config();
   return PagedCache<T>({.num_layers = c.num_layers,
@@ -37,42 +37,43 @@ PagedCache<T> staging_cache(const DeviceCache<T>& cache, std::size_t blocks) {
                         .max_seq_len = c.max_seq_len});
 }
 
-// The rows of every (layer, seq) collect() gathers, and a quantized format's scales.
-template <KVElement T>
+// The rows of every (layer, seq) collect() gathers (K and V, each in its side's format), and a
+// quantized side's scales.
+template <KVFormat T>
 struct CollectedRows {
-  std::vector<std::vector<T>> rows;
+  std::vector<std::vector<key_format_t<T>>> k;
+  std::vector<std::vector<value_format_t<T>>> v;
   std::vector<std::vector<scale_type>> scales;
 };
 
 // What restore() takes to put `seqs` of `source` into another cache of shape `c`: per (layer,
-// seq) the rows and, for a quantized format, their scales (`store` owns them; no scales
-// otherwise), per seq its ids, exact prefix and extra key. read(l, q, k, v, k_scale, v_scale)
+// seq) the rows and, for a quantized side, their scales (`store` owns them; none for a side in
+// f32/f16/bf16), per seq its ids, exact prefix and extra key. read(l, q, k, v, k_scale, v_scale)
 // fills them.
-template <KVElement T, class Source, class Read>
+template <KVFormat T, class Source, class Read>
 void collect(const Source& source, std::span<const std::size_t> seqs, const DeviceCacheConfig& c,
              Read&& read, CollectedRows<T>& store, std::vector<LayerRestore<T>>& entries,
              std::vector<SequenceTokens>& tokens) {
-  store.rows.reserve(2 * seqs.size() * c.num_layers);
+  constexpr bool k_scaled = scaled_v<key_format_t<T>>, v_scaled = scaled_v<value_format_t<T>>;
+  store.k.reserve(seqs.size() * c.num_layers);
+  store.v.reserve(seqs.size() * c.num_layers);
   store.scales.reserve(2 * seqs.size() * c.num_layers);
   for (std::size_t q : seqs) {
     for (std::size_t l = 0; l < c.num_layers; ++l) {
       const std::size_t len = source.layer_length(l, q);
-      std::vector<T>& k = store.rows.emplace_back(len * c.num_kv_heads * c.head_dim);
-      std::vector<T>& v = store.rows.emplace_back(k.size());
-      std::vector<scale_type>& ks =
-          store.scales.emplace_back(scaled_v<T> ? len * c.num_kv_heads : 0);
-      std::vector<scale_type>& vs = store.scales.emplace_back(ks.size());
-      read(l, q, std::span<T>(k), std::span<T>(v), std::span(ks), std::span(vs));
+      auto& k = store.k.emplace_back(len * c.num_kv_heads * c.head_dim);
+      auto& v = store.v.emplace_back(k.size());
+      std::vector<scale_type>& ks = store.scales.emplace_back(k_scaled ? len * c.num_kv_heads : 0);
+      std::vector<scale_type>& vs = store.scales.emplace_back(v_scaled ? len * c.num_kv_heads : 0);
+      read(l, q, std::span(k), std::span(v), std::span(ks), std::span(vs));
       LayerRestore<T> e;
       e.layer = l;
       e.seq = q;
       e.length = static_cast<position_t>(len);
       e.k = k;
       e.v = v;
-      if constexpr (scaled_v<T>) {
-        e.k_scale = ks;
-        e.v_scale = vs;
-      }
+      if constexpr (k_scaled) e.k_scale = ks;
+      if constexpr (v_scaled) e.v_scale = vs;
       entries.push_back(e);
     }
     tokens.push_back({.seq = q,
@@ -91,7 +92,7 @@ void collect(const Source& source, std::span<const std::size_t> seqs, const Devi
 /// saved K/V. The device cache is only read.
 /// @throws shape_error (not paged; a sequence listed twice), batch_error, io_error,
 ///         cuda_error, std::bad_alloc.
-template <KVElement T>
+template <KVFormat T>
 void save_snapshot(const std::filesystem::path& path, const DeviceCache<T>& cache,
                    const ModelId& model_id, std::span<const std::size_t> seqs = {},
                    const SaveOptions& options = {}, cudaStream_t stream = nullptr) {
@@ -110,7 +111,8 @@ void save_snapshot(const std::filesystem::path& path, const DeviceCache<T>& cach
   const DeviceCacheConfig& c = cache.config();
   detail::collect<T>(
       m, list, c,
-      [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v, std::span<scale_type> ks,
+      [&](std::size_t l, std::size_t q, std::span<key_format_t<T>> k,
+          std::span<value_format_t<T>> v, std::span<scale_type> ks,
           std::span<scale_type> vs) { cache.read_rows(l, q, k, v, ks, vs, stream); },
       rows, entries, tokens);
   staging.restore(entries, tokens);
@@ -127,7 +129,7 @@ void save_snapshot(const std::filesystem::path& path, const DeviceCache<T>& cach
 /// @throws as kvcache::load_snapshot() (snapshot_mismatch_error for another policy, model or
 ///         shape), shape_error (not paged), pool_exhausted_error (the device pool lacks the
 ///         blocks), cuda_error, std::bad_alloc.
-template <KVElement T>
+template <KVFormat T>
 SnapshotInfo load_snapshot(const std::filesystem::path& path, DeviceCache<T>& cache,
                            const ModelId& model_id, const LoadOptions& options = {},
                            cudaStream_t stream = nullptr) {
@@ -148,8 +150,8 @@ SnapshotInfo load_snapshot(const std::filesystem::path& path, DeviceCache<T>& ca
   const DeviceCacheConfig& c = cache.config();
   detail::collect<T>(
       staging, dest, c,
-      [&](std::size_t l, std::size_t q, std::span<T> k, std::span<T> v, std::span<scale_type> ks,
-          std::span<scale_type> vs) {
+      [&](std::size_t l, std::size_t q, std::span<key_format_t<T>> k,
+          std::span<value_format_t<T>> v, std::span<scale_type> ks, std::span<scale_type> vs) {
         kvcache::detail::pack_view_rows(staging.view(l, q), k.data(), v.data(), ks.data(),
                                         vs.data());
       },

@@ -29,7 +29,7 @@ using Layout = LayoutKind;
 /// One layer of a batch of sequences in device memory: the library's one layout descriptor
 /// (KVLayout, core/layout.hpp) with device pointers. Built by DeviceCache::view(), or by hand for
 /// K/V an engine keeps in its own buffers; kernels take it by value.
-template <KVElement T>
+template <KVFormat T>
 using DeviceKVView = KVLayout<T>;
 
 /// The mask of an attention call, as the kernels read it (KVMask, core/mask.hpp; the sink scores
