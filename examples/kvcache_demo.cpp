@@ -85,8 +85,9 @@ running:
                         submits its whole prompt and reuses what any earlier one cached
   --kv-format F          K/V storage of the cached scenarios: f32 (default) | f16 | bf16 |
                         int8 | fp8 (quantized: codes plus a scale per token and head, about
-                        half of f16's memory); the summary shows each cache's memory. The
-                        sliding scenario keeps f32 (it checks bits against an uncached pass)
+                        half of f16's memory) | f16+int8 (keys f16, values int8); the summary
+                        shows each cache's memory. The sliding scenario keeps f32 (it checks
+                        bits against an uncached pass)
   --threads N           threads for GEMMs and attention (default: all hardware threads)
   --chunk N             prefill chunk: tokens per batched forward pass (default 256)
   --window N --sinks N  sliding window and attention sinks (default 256 and 4)
@@ -139,7 +140,7 @@ struct Options {
   std::optional<kvcache::PositionMode> positions;
   std::optional<std::string> stories_dir;
   std::size_t block_size = 16;
-  kvcache::DType kv_format = kvcache::DType::f32;
+  llama::KvFormat kv_format = kvcache::DType::f32;
   llama::SamplerConfig sampler{};
   bool top_p_given = false;
   std::optional<std::string> prompt;
@@ -341,8 +342,7 @@ struct Context {
   [[nodiscard]] const llama::Tokenizer* tok() const { return tokenizer ? &*tokenizer : nullptr; }
   /// The summary's name of a cache: its policy, and its K/V format unless f32.
   [[nodiscard]] std::string cache_label(const std::string& policy) const {
-    return opt.kv_format == kvcache::DType::f32 ? policy
-                                                : policy + "/" + kvcache::dtype_name(opt.kv_format);
+    return opt.kv_format == kvcache::DType::f32 ? policy : policy + "/" + opt.kv_format.name();
   }
   [[nodiscard]] llama::CacheParams cache_params() const {
     return {.format = opt.kv_format,
@@ -976,16 +976,18 @@ SummaryRow sliding(Context& ctx, const std::string& stage, bool details) {
 }
 
 void print_summary(const std::vector<SummaryRow>& rows) {
-  fmt::print("{:<30} {:<12} {:>10} {:>11} {:>13} {:>8} {:>12} {:>10}  {}\n", "scenario", "cache",
-             "K/V memory", "TTFT cached", "TTFT uncached", "speedup", "tok/s cached", "uncached",
-             "check");
-  fmt::print("{}\n", std::string(143, '-'));
+  std::size_t cache_width = 12;  // "dynamic/f16+int8" is wider
+  for (const auto& r : rows) cache_width = std::max(cache_width, r.cache.size());
+  fmt::print("{:<30} {:<{}} {:>10} {:>11} {:>13} {:>8} {:>12} {:>10}  {}\n", "scenario", "cache",
+             cache_width, "K/V memory", "TTFT cached", "TTFT uncached", "speedup", "tok/s cached",
+             "uncached", "check");
+  fmt::print("{}\n", std::string(131 + cache_width, '-'));
   for (const auto& r : rows) {
     const std::string speedup =
         r.ttft_speedup ? fmt::format("{:.1f}x", r.ttft_uncached / r.ttft_cached) : std::string("-");
     const std::string memory = r.cache_bytes != 0 ? mib(r.cache_bytes) : std::string("-");
-    fmt::print("{:<30} {:<12} {:>10} {:>11} {:>13} {:>8} {:>12} {:>10}  {}{}\n", r.scenario,
-               r.cache, memory, ms(r.ttft_cached), ms(r.ttft_uncached), speedup,
+    fmt::print("{:<30} {:<{}} {:>10} {:>11} {:>13} {:>8} {:>12} {:>10}  {}{}\n", r.scenario,
+               r.cache, cache_width, memory, ms(r.ttft_cached), ms(r.ttft_uncached), speedup,
                tps(r.decode_cached), tps(r.decode_uncached), r.ok ? "" : "FAILED: ", r.check);
   }
   fmt::print("\n");
@@ -997,8 +999,8 @@ void print_summary(const std::vector<SummaryRow>& rows) {
       "scratch, and every decoded\ntoken runs the model over the whole sequence again. "
       "speedup = TTFT uncached / TTFT cached (-: the same\nprefill both ways); tok/s = decode. "
       "K/V memory = the cache's memory_bytes() at the end\n(--kv-format int8 or fp8: about half "
-      "of f16's; each uncached pass then holds its K/V in that format too, so the checks stay "
-      "exact).\n");
+      "of f16's, f16+int8 three quarters; each uncached pass then holds its K/V in that format "
+      "too, so the checks stay exact).\n");
 }
 
 int generate(Context& ctx) {

@@ -90,24 +90,50 @@ enum class CacheKind { dynamic, static_cache, sliding, paged };
                     ": unknown cache policy; supported: dynamic, static, sliding, paged");
 }
 
-/// The K/V storage formats selectable at run time (--kv-format), by their dtype_name().
-inline constexpr kvcache::DType kKvFormats[] = {kvcache::DType::f32, kvcache::DType::f16,
-                                                kvcache::DType::bf16, kvcache::DType::i8,
-                                                kvcache::DType::e4m3};
+/// A K/V storage format selectable at run time (--kv-format): one format for K and V, or K and V
+/// in different formats (a kvcache::KVFormats<K, V> cache), named "f16" or "f16+int8".
+struct KvFormat {
+  kvcache::DType k = kvcache::DType::f32;
+  kvcache::DType v = kvcache::DType::f32;
+
+  constexpr KvFormat() noexcept = default;
+  /// One format for both (implicit: a DType names a format).
+  constexpr KvFormat(kvcache::DType both) noexcept : k(both), v(both) {}
+  constexpr KvFormat(kvcache::DType key, kvcache::DType value) noexcept : k(key), v(value) {}
+
+  /// "f16", or "f16+int8" (K's format, then V's).
+  [[nodiscard]] std::string name() const {
+    return k == v ? std::string(kvcache::dtype_name(k))
+                  : std::string(kvcache::dtype_name(k)) + "+" + kvcache::dtype_name(v);
+  }
+  friend constexpr bool operator==(const KvFormat&, const KvFormat&) = default;
+};
+
+/// The formats --kv-format offers: each of the library's, and f16 keys with int8 values (each
+/// format here is compiled into every cached scenario; the library takes any pair).
+inline constexpr KvFormat kKvFormats[] = {
+    kvcache::DType::f32, kvcache::DType::f16,  kvcache::DType::bf16,
+    kvcache::DType::i8,  kvcache::DType::e4m3, KvFormat(kvcache::DType::f16, kvcache::DType::i8)};
 
 /// @throws usage_error listing the supported names.
-[[nodiscard]] inline kvcache::DType parse_kv_format(std::string_view name) {
-  for (kvcache::DType d : kKvFormats) {
-    if (name == kvcache::dtype_name(d)) return d;
+[[nodiscard]] inline KvFormat parse_kv_format(std::string_view name) {
+  std::string supported;
+  for (const KvFormat& f : kKvFormats) {
+    if (name == f.name()) return f;
+    supported += (supported.empty() ? "" : ", ") + f.name();
   }
   throw usage_error("--kv-format " + std::string(name) +
-                    ": unknown K/V format; supported: f32, f16, bf16, int8, fp8");
+                    ": unknown K/V format; supported: " + supported);
 }
 
-/// Calls f(std::type_identity<T>{}) with the storage type of format `d` (one of kKvFormats).
+/// Calls f(std::type_identity<T>{}) with the storage type of format `d` (one of kKvFormats: an
+/// element type, or KVFormats<half, qint8>).
 template <class F>
-decltype(auto) with_kv_format(kvcache::DType d, F&& f) {
-  switch (d) {
+decltype(auto) with_kv_format(const KvFormat& d, F&& f) {
+  if (d == KvFormat(kvcache::DType::f16, kvcache::DType::i8)) {
+    return f(std::type_identity<kvcache::KVFormats<kvcache::half, kvcache::qint8>>{});
+  }
+  switch (d.k) {
     case kvcache::DType::f16:
       return f(std::type_identity<kvcache::half>{});
     case kvcache::DType::bf16:
@@ -124,8 +150,9 @@ decltype(auto) with_kv_format(kvcache::DType d, F&& f) {
 
 /// What with_cache() needs to size a cache; each policy reads the fields it uses.
 struct CacheParams {
-  /// How K/V is stored: f32 (the reference), f16, bf16, or quantized int8 / fp8.
-  kvcache::DType format = kvcache::DType::f32;
+  /// How K/V is stored: f32 (the reference), f16, bf16, quantized int8 / fp8, or f16 keys with
+  /// int8 values (kKvFormats).
+  KvFormat format = kvcache::DType::f32;
   std::size_t max_batch = 1;
   /// static: slots per sequence; dynamic: limit (0 = unbounded).
   std::size_t max_seq_len = 0;
@@ -152,7 +179,7 @@ struct CacheParams {
 /// T, shaped for `model` with the fields of `p` that policy reads (p.format is not read); paged
 /// with max_seq_len 0 is sized for the model's seq_len.
 /// @throws what the policy's constructor throws (shape_error, bad_alloc).
-template <CacheKind kKind, kvcache::KVElement T>
+template <CacheKind kKind, kvcache::KVFormat T>
 [[nodiscard]] auto make_cache(const Model& model, const CacheParams& p) {
   const ModelConfig& c = model.config();
   if constexpr (kKind == CacheKind::static_cache) {
@@ -195,7 +222,7 @@ template <CacheKind kKind, kvcache::KVElement T>
 /// Every branch instantiates f for its policy and format, so f must be generic (auto&) and
 /// return the same type for each (a caller that needs one policy only: make_cache).
 /// @throws as make_cache.
-template <kvcache::KVElement T, class F>
+template <kvcache::KVFormat T, class F>
 decltype(auto) with_cache_as(CacheKind kind, const Model& model, const CacheParams& p, F&& f) {
   switch (kind) {
     case CacheKind::static_cache: {

@@ -141,7 +141,8 @@ class Engine {
                                   ", outside the vocabulary [0, ", c.vocab_size, ")"));
       }
     }
-    const kvcache::CacheShape want = model_->cache_shape(cache.shape().dtype);
+    const kvcache::CacheShape want =
+        model_->cache_shape(cache.shape().dtype, cache.shape().value_dtype);
     if (cache.shape() != want) {
       throw kvcache::shape_error(
           message("Engine::forward: the cache has ", cache.shape().num_layers, " layers x ",

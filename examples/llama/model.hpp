@@ -585,9 +585,13 @@ class Model {
     return b;
   }
 
-  /// The K/V shape a cache for this model needs (f32 elements by default).
+  /// The K/V shape a cache for this model needs (f32 elements by default; V in value_dtype).
   [[nodiscard]] kvcache::CacheShape cache_shape(kvcache::DType dtype = kvcache::DType::f32) const {
-    return {config_.num_layers, config_.num_kv_heads, config_.head_dim(), dtype};
+    return cache_shape(dtype, dtype);
+  }
+  [[nodiscard]] kvcache::CacheShape cache_shape(kvcache::DType dtype,
+                                                kvcache::DType value_dtype) const {
+    return {config_.num_layers, config_.num_kv_heads, config_.head_dim(), dtype, value_dtype};
   }
 
  private:
