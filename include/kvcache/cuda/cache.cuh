@@ -85,7 +85,8 @@ class DeviceCache {
   using value_type = T;
 
   /// Allocates all storage (and, for paged, the pool and the block table) and zeroes the
-  /// metadata. @throws shape_error for a bad config, cuda_error.
+  /// metadata. @throws shape_error for a bad config, capacity_error if the storage's size
+  /// overflows, cuda_error.
   explicit DeviceCache(const DeviceCacheConfig& c) : config_(c) {
     detail_require(c.num_layers, "num_layers");
     detail_require(c.num_kv_heads, "num_kv_heads");
