@@ -164,21 +164,6 @@ __device__ __forceinline__ T code_of_byte(unsigned b) {
   }
 }
 
-/// The values of the 16 codes at p (16-byte aligned); the row's scale is applied apart.
-template <QuantizedElement T>
-__device__ __forceinline__ void load16(const T* p, float* out) {
-  const uint4 w = *reinterpret_cast<const uint4*>(p);
-  const unsigned words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 16; ++i) out[i] = decode(code_of_byte<T>(words[i / 4] >> (8 * (i % 4))));
-}
-
-/// The values of the 2 codes at p; the row's scale is applied apart.
-template <QuantizedElement T>
-__device__ __forceinline__ float2 load_pair(const T* p) {
-  return make_float2(decode(p[0]), decode(p[1]));
-}
-
 /// Element i of E packed in the 32-bit words `words` (little-endian, as loaded from memory).
 template <KVElement E>
 __device__ __forceinline__ E element_at(const unsigned* words, int i) {
@@ -195,19 +180,23 @@ __device__ __forceinline__ E element_at(const unsigned* words, int i) {
   }
 }
 
-/// The 8 fp16 or bf16 values at p (16-byte aligned).
-template <Element T>
-requires(sizeof(T) == 2) __device__ __forceinline__ void load16(const T* p, float* out) {
+/// The values of the 16 / sizeof(T) fp16 or bf16 elements, or int8 or fp8 codes, at p (16-byte
+/// aligned); a code's row scale is applied apart.
+template <KVElement T>
+requires(sizeof(T) < 4) __device__ __forceinline__ void load16(const T* p, float* out) {
   const uint4 w = *reinterpret_cast<const uint4*>(p);
   const unsigned words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = to_f32(element_at<T>(words, i));
+  for (int i = 0; i < 16 / static_cast<int>(sizeof(T)); ++i) {
+    out[i] = element_value(element_at<T>(words, i));
+  }
 }
 
-/// The 2 fp16 or bf16 values at p.
-template <Element T>
-requires(sizeof(T) == 2) __device__ __forceinline__ float2 load_pair(const T* p) {
-  return make_float2(to_f32(p[0]), to_f32(p[1]));
+/// The values of the 2 fp16 or bf16 elements, or int8 or fp8 codes, at p; a code's row scale is
+/// applied apart.
+template <KVElement T>
+requires(sizeof(T) < 4) __device__ __forceinline__ float2 load_pair(const T* p) {
+  return make_float2(element_value(p[0]), element_value(p[1]));
 }
 
 /// Writes the elements of E in the 16 bytes at src (16-byte aligned; zeros when !valid, src then
