@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvemu's stand-in for mma.h (nvcuda::wmma): every lane holds the whole matrix of a fragment
-// (num_elements = rows x cols), products accumulate in float, and the warp's last lane alone
-// computes mma_sync and writes store_matrix_sync's tile, so that reading the stored tile before
-// __syncwarp() is caught. Pointer
-// alignment (32 bytes) and leading dimensions (multiples of 16 bytes) are checked as the
-// hardware requires.
+// kvemu's stand-in for mma.h (nvcuda::wmma): a fragment holds the whole matrix (num_elements =
+// rows x cols), products accumulate in float, and the warp's last lane alone loads, computes
+// mma_sync and writes store_matrix_sync's tile, so that reading the stored tile before
+// __syncwarp() is caught. The other lanes' fragments stay zero (they check the pointers and
+// take part in the element-wise loops, but nothing reads their copies): loading the whole
+// matrix on all 32 lanes was a third of the emulated prefill's time. Pointer alignment (32
+// bytes) and leading dimensions (multiples of 16 bytes) are checked as the hardware requires.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -56,8 +57,8 @@ template <int M, int N, int K>
 struct Shape<accumulator, M, N, K> {
   static constexpr int rows = M, cols = N;
 };
-/// Whether the calling thread is its warp's last lane: the one that computes and stores the
-/// accumulator tiles (the other lanes' accumulator copies are not kept up to date).
+/// Whether the calling thread is its warp's last lane: the one that loads, computes and stores
+/// the tiles (the other lanes' copies are not kept up to date).
 inline bool last_lane() {
   const kvemu::Fiber& me = kvemu::fiber();
   return kvemu::lane_of(me) + 1 == kvemu::block().warp_barriers[kvemu::warp_of(me)].expected;
@@ -76,7 +77,7 @@ struct fragment {
   static constexpr int num_rows = detail::Shape<Use, M, N, K>::rows;
   static constexpr int num_cols = detail::Shape<Use, M, N, K>::cols;
   static constexpr int num_elements = num_rows * num_cols;  // logical row-major
-  element_type x[num_elements];
+  element_type x[num_elements]{};  // zero on the lanes that do not load (see above)
 };
 
 inline float __float_to_tf32(float f) {  // 10 mantissa bits, round to nearest even
@@ -90,6 +91,7 @@ void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const P* p, unsigned
   using F = fragment<Use, M, N, K, T, Layout>;
   static_assert(std::is_same_v<P, typename F::element_type>);
   detail::check_pointer(p, ldm, sizeof(P));
+  if (!detail::last_lane()) return;
   for (int r = 0; r < F::num_rows; ++r) {
     for (int c = 0; c < F::num_cols; ++c) {
       f.x[r * F::num_cols + c] =
@@ -101,6 +103,7 @@ template <int M, int N, int K, class T>
 void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const float* p, unsigned ldm,
                       layout_t layout) {
   detail::check_pointer(p, ldm, sizeof(float));
+  if (!detail::last_lane()) return;
   for (int r = 0; r < M; ++r)
     for (int c = 0; c < N; ++c)
       f.x[r * N + c] = layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
