@@ -27,8 +27,7 @@ struct fmt::formatter<kvcache::CacheShape> : fmt::formatter<std::string_view> {
   auto format(const kvcache::CacheShape& s, Ctx& ctx) const {
     auto out = fmt::format_to(ctx.out(), "{} layers x {} kv heads x head_dim {}, ", s.num_layers,
                               s.num_kv_heads, s.head_dim);
-    if (s.value_dtype == s.dtype) return fmt::format_to(out, "{}", s.dtype);
-    return fmt::format_to(out, "K {} + V {}", s.dtype, s.value_dtype);
+    return fmt::format_to(out, "{}", kvcache::format_name(s.dtype, s.value_dtype));
   }
 };
 

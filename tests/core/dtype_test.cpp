@@ -251,6 +251,9 @@ TEST_CASE("DType tags, sizes, names and dispatch") {
   STATIC_REQUIRE(dtype_bytes(DType::f32) == 4);
   STATIC_REQUIRE(dtype_bytes(DType::bf16) == 2);
   REQUIRE(std::string(dtype_name(DType::f16)) == "f16");
+  REQUIRE(format_name(DType::i8, DType::i8) == "int8");
+  REQUIRE(format_name(DType::f16, DType::i8) == "K f16 + V int8");
+  REQUIRE(format_name(DType::e4m3, DType::bf16) == "K fp8 + V bf16");
   for (DType d : {DType::f32, DType::f16, DType::bf16}) {
     const std::size_t size =
         dispatch_dtype(d, [](auto tag) { return sizeof(typename decltype(tag)::type); });

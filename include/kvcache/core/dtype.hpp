@@ -237,6 +237,13 @@ inline constexpr DType dtype_of = std::same_as<T, float>      ? DType::f32
   return "unknown";
 }
 
+/// How messages and kvcache/fmt.hpp name a storage format: "f16", or "K f16 + V int8" for keys
+/// and values in different formats (a KVFormats pair). @throws std::bad_alloc.
+[[nodiscard]] inline std::string format_name(DType key, DType value) {
+  if (key == value) return dtype_name(key);
+  return std::string("K ") + dtype_name(key) + " + V " + dtype_name(value);
+}
+
 /// Calls `f(std::type_identity<T>{})` with the Element type named by `d`.
 /// @throws shape_error for a value outside the enum or a quantized format (i8, e4m3), listing the
 ///         supported ones.

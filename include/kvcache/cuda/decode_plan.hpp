@@ -189,14 +189,10 @@ struct DecodeSetup {
 
 namespace detail {
 
-/// "f16", or "K f16 + V int8" for a pair: how messages name a format.
-inline std::string format_name(DType k, DType v) {
-  return k == v ? std::string(dtype_name(k))
-                : kvcache::detail::message("K ", dtype_name(k), " + V ", dtype_name(v));
-}
+/// kvcache::format_name of T's K and V formats: "f16", or "K f16 + V int8" for a pair.
 template <KVFormat T>
 std::string format_name() {
-  return format_name(dtype_of<key_format_t<T>>, dtype_of<value_format_t<T>>);
+  return kvcache::format_name(dtype_of<key_format_t<T>>, dtype_of<value_format_t<T>>);
 }
 
 /// @throws shape_error unless `kernel` serves T K/V (cuda_cores: float, int8, fp8, pairs; the
@@ -231,7 +227,7 @@ void check_setup(const DecodeSetup& setup, int head_dim, int group, const char* 
       setup.head_dim != head_dim || setup.group != group || setup.blocks_per_sm < 1 ||
       setup.num_sms < 1) {
     throw shape_error(kvcache::detail::message(
-        what, ": DecodeSetup for ", format_name(setup.dtype, value_dtype), ", head_dim ",
+        what, ": DecodeSetup for ", kvcache::format_name(setup.dtype, value_dtype), ", head_dim ",
         setup.head_dim, ", group ", setup.group, " (", setup.num_sms, " SMs x ",
         setup.blocks_per_sm, " blocks) used for ", format_name<T>(), ", head_dim ", head_dim,
         ", group ", group));
