@@ -804,21 +804,25 @@ bool sees(const AttentionOptions& o, std::int64_t qpos, std::int64_t kpos) {
          kpos < static_cast<std::int64_t>(o.num_sink_tokens);
 }
 
-// K/V of a batch put in device memory by hand, contiguous ([seq][head][slot][dim]) or paged
-// (16-token blocks, the pool's blocks in reverse order and block 0 unused), so that a test can
-// plant an inf or NaN in any one element. Every slot no key occupies holds NaN (int8 and fp8: a
-// NaN scale). Rows are written as the caches write them (quantize_row).
-template <kvcache::KVElement T>
+// K/V of a batch in format F (one element type or a K/V pair) put in device memory by hand,
+// contiguous ([seq][head][slot][dim]) or paged (16-token blocks, the pool's blocks in reverse
+// order and block 0 unused), so that a test can plant an inf or NaN in any one element. Every
+// slot no key occupies holds NaN (an int8 or fp8 side: a NaN scale). Rows are written as the
+// caches write them (quantize_row, each side in its format).
+template <kvcache::KVFormat F>
 struct HandKV {
-  kcuda::DeviceBuffer<T> k, v;
+  using K = kvcache::key_format_t<F>;
+  using V = kvcache::value_format_t<F>;
+  kcuda::DeviceBuffer<K> k;
+  kcuda::DeviceBuffer<V> v;
   kcuda::DeviceBuffer<kvcache::scale_type> k_scale, v_scale;
   kcuda::DeviceBuffer<kvcache::block_id> table;
   kcuda::DeviceBuffer<std::int64_t> length;
-  kcuda::DeviceKVView<T> view;
+  kcuda::DeviceKVView<F> view;
 };
 
 // keys[s] and values[s]: [lengths[s]][heads][dim] floats of sequence s.
-template <kvcache::KVElement T>
+template <kvcache::KVFormat T>
 std::unique_ptr<HandKV<T>> hand_kv(kcuda::Layout layout,
                                    const std::vector<std::vector<float>>& keys,
                                    const std::vector<std::vector<float>>& values,
@@ -849,24 +853,26 @@ std::unique_ptr<HandKV<T>> hand_kv(kcuda::Layout layout,
     v.seq_stride = v.head_stride * heads;
     elements = static_cast<std::size_t>(batch * v.seq_stride);
   }
+  using K = typename HandKV<T>::K;
+  using V = typename HandKV<T>::V;
+  constexpr bool k_scaled = kvcache::scaled_v<K>, v_scaled = kvcache::scaled_v<V>;
   constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<T> k(elements);
-  if constexpr (Element<T>) std::fill(k.begin(), k.end(), kvcache::from_float<T>(kNan));
-  std::vector<T> val = k;
+  std::vector<K> k(elements);
+  std::vector<V> val(elements);
+  if constexpr (Element<K>) std::fill(k.begin(), k.end(), kvcache::from_float<K>(kNan));
+  if constexpr (Element<V>) std::fill(val.begin(), val.end(), kvcache::from_float<V>(kNan));
   const auto d = static_cast<std::size_t>(dim);
-  std::vector<kvcache::scale_type> ks(kvcache::scaled_v<T> ? elements / d : 0,
-                                      kvcache::scale_type(kNan));
-  std::vector<kvcache::scale_type> vs = ks;
+  std::vector<kvcache::scale_type> ks(k_scaled ? elements / d : 0, kvcache::scale_type(kNan));
+  std::vector<kvcache::scale_type> vs(v_scaled ? elements / d : 0, kvcache::scale_type(kNan));
   for (int s = 0; s < batch; ++s) {
     for (std::int64_t p = 0; p < lengths[static_cast<std::size_t>(s)]; ++p) {
       for (int head = 0; head < heads; ++head) {
         const auto at = static_cast<std::size_t>(host_row_offset(v, table, s, head, p));
         const auto from = static_cast<std::size_t>((p * heads + head) * dim);
-        const bool scaled = kvcache::scaled_v<T>;
         kvcache::quantize_row(keys[static_cast<std::size_t>(s)].data() + from, d, k.data() + at,
-                              scaled ? ks.data() + at / d : nullptr);
+                              k_scaled ? ks.data() + at / d : nullptr);
         kvcache::quantize_row(values[static_cast<std::size_t>(s)].data() + from, d, val.data() + at,
-                              scaled ? vs.data() + at / d : nullptr);
+                              v_scaled ? vs.data() + at / d : nullptr);
       }
     }
   }
@@ -875,10 +881,12 @@ std::unique_ptr<HandKV<T>> hand_kv(kcuda::Layout layout,
   h->length = upload(lengths);
   v.k = h->k.data();
   v.v = h->v.data();
-  if constexpr (kvcache::scaled_v<T>) {
+  if constexpr (k_scaled) {
     h->k_scale = upload(ks);
-    h->v_scale = upload(vs);
     v.k_scale = h->k_scale.data();
+  }
+  if constexpr (v_scaled) {
+    h->v_scale = upload(vs);
     v.v_scale = h->v_scale.data();
   }
   v.length = h->length.data();
@@ -927,7 +935,8 @@ struct Plant {
 TEMPLATE_TEST_CASE(
     "CUDA decode and prefill: inf or NaN in q, or in a seen key's K or V, makes exactly the rows "
     "that see it NaN; unseen ones change no bit",
-    "[cuda][nonfinite]", float, kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3) {
+    "[cuda][nonfinite]", float, kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3,
+    HalfInt8, Fp8Bf16) {
   if (!have_device()) return;
   using T = TestType;
   auto rng = kvcache::test::make_rng("cuda-nonfinite");
@@ -1088,8 +1097,10 @@ TEMPLATE_TEST_CASE(
                                         << p.pos << " = " << p.value);
         const auto got =
             run(pq, p.value_side ? pk : planted(pk, p), p.value_side ? planted(pv, p) : pv);
-        // int8/fp8: a bad V row may move the unseen rows of its tile by rounding (prefill.cuh)
-        const float rounding = kvcache::scaled_v<T> && p.value_side ? 1e-5f : 0.0f;
+        // V in int8/fp8: a bad V row may move the unseen rows of its tile by rounding
+        // (prefill.cuh)
+        const float rounding =
+            kvcache::scaled_v<kvcache::value_format_t<T>> && p.value_side ? 1e-5f : 0.0f;
         require_nan_rows(
             got, base, 80, q_heads, dim,
             [&](std::size_t r, std::size_t h) {
