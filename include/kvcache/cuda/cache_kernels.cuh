@@ -127,6 +127,7 @@ __global__ void append_kernel(DeviceKVView<T> view, key_format_t<T>* k_out,
 }
 
 /// Writes (length, sink_end, recent_begin) entries into the device metadata [layer][3][batch].
+template <int = 0>  // a template so that several .cu files may include this (cuda.cuh)
 __global__ void update_meta_kernel(std::int64_t* meta, int max_batch, MetaBatch batch) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= batch.count) return;
@@ -137,6 +138,7 @@ __global__ void update_meta_kernel(std::int64_t* meta, int max_batch, MetaBatch 
   m[2 * max_batch + e.seq] = e.recent_begin;
 }
 
+template <int = 0>  // a template so that several .cu files may include this (cuda.cuh)
 __global__ void update_blocks_kernel(block_id* table, int max_blocks, BlockBatch batch) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= batch.count) return;
@@ -161,6 +163,7 @@ static_assert(sizeof(CopyBatch) <= kMaxParamBatchBytes);
 /// Grid (copies, layers): block batch.entry[x].from of layer y into block .to, whole: the
 /// `block_bytes` bytes one block holds in an array of the storage (rows of K and V, or a side's
 /// rows, or their scales: KVRows::for_each_array), 16 bytes at a time where the block allows it.
+template <int = 0>  // a template so that several .cu files may include this (cuda.cuh)
 __global__ void copy_blocks_kernel(unsigned char* array, std::int64_t layer_bytes,
                                    std::int64_t block_bytes, CopyBatch batch) {
   const CopyEntry e = batch.entry[blockIdx.x];

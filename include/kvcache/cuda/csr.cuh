@@ -42,6 +42,7 @@ struct CsrBatch {
 static_assert(sizeof(CsrBatch) <= kMaxParamBatchBytes);
 
 /// One block per sequence: its page ids from the block table, its indptr end and last length.
+template <int = 0>  // a template so that several .cu files may include this (cuda.cuh)
 __global__ void export_csr_kernel(const block_id* table, int max_blocks, std::int32_t* indptr,
                                   std::int32_t* indices, std::int32_t* last_page_len,
                                   CsrBatch batch) {
@@ -92,7 +93,7 @@ CsrSizes export_csr(const DeviceCache<T>& cache, std::size_t layer,
   std::size_t at = 0;
   const auto flush = [&] {
     if (batch.count == 0) return;
-    detail::export_csr_kernel<<<batch.count, 128, 0, stream>>>(
+    detail::export_csr_kernel<><<<batch.count, 128, 0, stream>>>(
         view.block_table, view.max_blocks, out.indptr, out.indices, out.last_page_len, batch);
     check_launch("kvcache::cuda::export_csr_kernel");
     batch.first += batch.count;

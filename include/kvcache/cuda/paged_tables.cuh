@@ -86,7 +86,7 @@ class PagedTables {
     detail::BlockBatch batch;
     const auto flush = [&] {
       if (batch.count == 0) return;
-      detail::update_blocks_kernel<<<1, detail::kMaxBlocksPerLaunch, 0, stream>>>(
+      detail::update_blocks_kernel<><<<1, detail::kMaxBlocksPerLaunch, 0, stream>>>(
           device_.data(), static_cast<int>(max_blocks_), batch);
       check_launch("kvcache::cuda::update_blocks_kernel");
       batch.count = 0;
@@ -131,9 +131,9 @@ class PagedTables {
       if (batch.count == 0) return;
       const dim3 grid(static_cast<unsigned>(batch.count),
                       static_cast<unsigned>(manager_.num_layers()));
-      detail::copy_blocks_kernel<<<grid, 256, 0, stream>>>(
-          array, static_cast<std::int64_t>(layer_bytes), static_cast<std::int64_t>(block_bytes),
-          batch);
+      detail::copy_blocks_kernel<>
+          <<<grid, 256, 0, stream>>>(array, static_cast<std::int64_t>(layer_bytes),
+                                     static_cast<std::int64_t>(block_bytes), batch);
       check_launch("kvcache::cuda::copy_blocks_kernel");
       batch.count = 0;
     };
