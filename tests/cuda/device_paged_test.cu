@@ -8,7 +8,6 @@
 // checked the same way without the host. Also export_csr(), snapshots and context_shift() of
 // device caches.
 // Skips with a message when no CUDA device is present.
-#include <cstdlib>
 #include <map>
 #include <optional>
 #include <random>
@@ -16,6 +15,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include "device_support.cuh"
 #include "kvcache/cuda/context_shift.cuh"
 #include "kvcache/cuda/cuda.cuh"
 #include "kvcache/cuda/snapshot.cuh"
@@ -28,18 +28,11 @@
 // No `using namespace kvcache`: CUDA's headers declare a global `half` and namespace `cuda`.
 namespace kcuda = kvcache::cuda;
 using kvcache::token_id;
+using kvcache::test::download;
+using kvcache::test::have_device;
+using kvcache::test::upload;
 
 namespace {
-
-bool have_device() {
-  if (kcuda::device_count() > 0) return true;
-  const char* required = std::getenv("KVCACHE_REQUIRE_CUDA_DEVICE");
-  if (required != nullptr && std::string(required) == "1") {
-    FAIL("no CUDA device (" << kcuda::no_device_reason() << ") and KVCACHE_REQUIRE_CUDA_DEVICE=1");
-  }
-  WARN("skipped: no CUDA device (" << kcuda::no_device_reason() << ")");
-  return false;
-}
 
 constexpr std::size_t kLayers = 2, kHeads = 2, kDim = 8, kBlock = 4, kBatch = 4, kMaxLen = 32;
 const kvcache::test::SyntheticModel kSynth{kLayers, kHeads, kDim};
@@ -245,9 +238,7 @@ void run(std::mt19937_64& rng, bool evict, bool twin, int steps) {
             v.insert(v.end(), kv.v.begin(), kv.v.end());
           }
           if (seqs.empty()) continue;
-          kcuda::DeviceBuffer<float> dk(k.size()), dv(v.size());
-          kcuda::check(cudaMemcpy(dk.data(), k.data(), k.size() * 4, cudaMemcpyHostToDevice), "k");
-          kcuda::check(cudaMemcpy(dv.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice), "v");
+          auto dk = upload(k), dv = upload(v);
           // The device's batch is all or nothing; the host appends one sequence at a time, so
           // it follows only a batch the device took (check_state() then shows that a refused
           // batch changed nothing).
@@ -335,9 +326,7 @@ TEST_CASE("a paged DeviceCache shares a cached prompt and refuses what PagedCach
   REQUIRE(p.host.admit(0, prompt) == 0);
   for (std::size_t l = 0; l < kLayers; ++l) {
     const auto kv = kSynth.kv(l, prompt, 0, prompt.size());
-    kcuda::DeviceBuffer<float> dk(kv.k.size()), dv(kv.v.size());
-    kcuda::check(cudaMemcpy(dk.data(), kv.k.data(), kv.k.size() * 4, cudaMemcpyHostToDevice), "k");
-    kcuda::check(cudaMemcpy(dv.data(), kv.v.data(), kv.v.size() * 4, cudaMemcpyHostToDevice), "v");
+    auto dk = upload(kv.k), dv = upload(kv.v);
     const std::vector<std::size_t> seqs{0}, counts{prompt.size()};
     p.dev.append(l, seqs, counts, dk.data(), dv.data(), nullptr);
     p.host.append(l, 0, kv.k_block(0, prompt.size()), kv.v_block(0, prompt.size()));
@@ -374,11 +363,7 @@ TEST_CASE("export_csr of a paged DeviceCache writes on the device what the host 
     for (std::size_t l = 0; l < kLayers; ++l) {
       const std::size_t n = prompt.size() - (l == 1 && q == 2 ? 3 : 0);  // layer 1 of 2 behind
       const auto kv = kSynth.kv(l, prompt, 0, n);
-      kcuda::DeviceBuffer<float> dk(kv.k.size()), dv(kv.v.size());
-      kcuda::check(cudaMemcpy(dk.data(), kv.k.data(), kv.k.size() * 4, cudaMemcpyHostToDevice),
-                   "k");
-      kcuda::check(cudaMemcpy(dv.data(), kv.v.data(), kv.v.size() * 4, cudaMemcpyHostToDevice),
-                   "v");
+      auto dk = upload(kv.k), dv = upload(kv.v);
       const std::vector<std::size_t> seqs{q}, counts{n};
       p.dev.append(l, seqs, counts, dk.data(), dv.data(), nullptr);
     }
@@ -395,15 +380,10 @@ TEST_CASE("export_csr of a paged DeviceCache writes on the device what the host 
     const kcuda::DeviceCsr out{d_indptr.data(), d_indices.data(), d_last.data(),
                                indptr.size(),   indices.size(),   last.size()};
     REQUIRE(kcuda::export_csr(p.dev, l, seqs, out, nullptr).indices == indices.size());
-    const auto download = [](const kcuda::DeviceBuffer<std::int32_t>& b) {
-      std::vector<std::int32_t> h(b.size());
-      kcuda::check(cudaMemcpy(h.data(), b.data(), b.bytes(), cudaMemcpyDeviceToHost), "csr");
-      return h;
-    };
     INFO("layer " << l);
-    REQUIRE(download(d_indptr) == indptr);
-    REQUIRE(download(d_indices) == indices);
-    REQUIRE(download(d_last) == last);
+    REQUIRE(download(d_indptr.data(), d_indptr.size()) == indptr);
+    REQUIRE(download(d_indices.data(), d_indices.size()) == indices);
+    REQUIRE(download(d_last.data(), d_last.size()) == last);
     const kcuda::DeviceCsr small{d_indptr.data(), d_indices.data(),   d_last.data(),
                                  indptr.size(),   indices.size() - 1, last.size()};
     REQUIRE_THROWS_AS(kcuda::export_csr(p.dev, l, seqs, small, nullptr), kvcache::shape_error);
@@ -413,9 +393,7 @@ TEST_CASE("export_csr of a paged DeviceCache writes on the device what the host 
   kcuda::check(cudaMemset(one.data(), 0xff, one.bytes()), "poison");
   (void)kcuda::export_csr(p.dev, 0, {}, kcuda::DeviceCsr{one.data(), nullptr, nullptr, 1, 0, 0},
                           nullptr);
-  std::int32_t first = -1;
-  kcuda::check(cudaMemcpy(&first, one.data(), 4, cudaMemcpyDeviceToHost), "indptr");
-  REQUIRE(first == 0);
+  REQUIRE(download(one.data(), 1) == std::vector<std::int32_t>{0});
 }
 
 namespace {
@@ -425,9 +403,7 @@ template <kvcache::KVFormat T>
 void device_append(kcuda::DeviceCache<T>& dev, std::size_t layer, std::size_t seq,
                    const std::vector<token_id>& ids, std::size_t len, std::size_t n) {
   const auto kv = kSynth.kv(layer, ids, len, n);
-  kcuda::DeviceBuffer<float> dk(kv.k.size()), dv(kv.v.size());
-  kcuda::check(cudaMemcpy(dk.data(), kv.k.data(), kv.k.size() * 4, cudaMemcpyHostToDevice), "k");
-  kcuda::check(cudaMemcpy(dv.data(), kv.v.data(), kv.v.size() * 4, cudaMemcpyHostToDevice), "v");
+  auto dk = upload(kv.k), dv = upload(kv.v);
   const std::vector<std::size_t> seqs{seq}, counts{n};
   dev.append(layer, seqs, counts, std::span<const token_id>(ids).subspan(len, n), dk.data(),
              dv.data(), nullptr);
@@ -578,9 +554,7 @@ TEMPLATE_TEST_CASE(
                     kv.k_block(0, ids.size() - len), kv.v_block(0, ids.size() - len));
     }
     const auto kv = kSynth.kv(l, longer, 0, 11);
-    kcuda::DeviceBuffer<float> dk(kv.k.size()), dv(kv.v.size());
-    kcuda::check(cudaMemcpy(dk.data(), kv.k.data(), kv.k.size() * 4, cudaMemcpyHostToDevice), "k");
-    kcuda::check(cudaMemcpy(dv.data(), kv.v.data(), kv.v.size() * 4, cudaMemcpyHostToDevice), "v");
+    auto dk = upload(kv.k), dv = upload(kv.v);
     const std::vector<std::size_t> seqs{2}, counts{11};
     p.dev.append(l, seqs, counts, dk.data(), dv.data(), nullptr);
     p.host.append(l, 2, kv.k_block(0, 11), kv.v_block(0, 11));
