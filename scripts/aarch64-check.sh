@@ -15,10 +15,6 @@ strict=(-Wall -Wextra -Wpedantic -Wconversion -Wsign-conversion -Wshadow -Wdoubl
 cxx=(aarch64-linux-gnu-g++ -std=c++20 -Iinclude)
 run=(qemu-aarch64 -L /usr/aarch64-linux-gnu)
 
-"${cxx[@]}" "${strict[@]}" -c tests/consumer/strict_warnings.cpp -o "$out/strict_warnings.o"
-"${cxx[@]}" "${strict[@]}" -O2 tests/consumer/consumer_main.cpp -o "$out/consumer" -pthread
-"${run[@]}" "$out/consumer"
-
 # The kernel tests need Catch2 v2's header only; the host's /usr/include cannot be on a cross
 # compiler's path (its glibc headers are x86-64's), so only catch2/ is linked in.
 if [ ! -f /usr/include/catch2/catch.hpp ]; then
@@ -29,9 +25,14 @@ ln -sfn /usr/include/catch2 "$out/include/catch2"
 printf '#define CATCH_CONFIG_MAIN\n#include <catch2/catch.hpp>\n' > "$out/catch_main.cpp"
 test_cxx=("${cxx[@]}" -O2 -Itests -I"$out/include" -DKVCACHE_CATCH2_MAJOR=2 -Wall -Wextra -Werror)
 # The kernels are compiled once (examples/kernels.cpp, as the native build's kvcache_kernels) and
-# linked into every test, which is compiled with KVCACHE_EXTERN_KERNELS; beside it, Catch2's main.
+# linked into every test, which is compiled with KVCACHE_EXTERN_KERNELS. Beside that compile (the
+# longest), on the other core: the headers under the strict warnings, the consumer (which runs),
+# and Catch2's main.
 "${test_cxx[@]}" -c examples/kernels.cpp -o "$out/kernels.o" &
 kernels=$!
+"${cxx[@]}" "${strict[@]}" -c tests/consumer/strict_warnings.cpp -o "$out/strict_warnings.o"
+"${cxx[@]}" "${strict[@]}" -O2 tests/consumer/consumer_main.cpp -o "$out/consumer" -pthread
+"${run[@]}" "$out/consumer"
 [ -f "$out/catch_main.o" ] || "${test_cxx[@]}" -c "$out/catch_main.cpp" -o "$out/catch_main.o"
 wait "$kernels"
 tests=(attention_test quantized_attention_test mixed_format_test nonfinite_test
