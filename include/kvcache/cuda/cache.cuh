@@ -548,7 +548,7 @@ class DeviceCache {
   }
   void flush_meta(detail::MetaBatch& meta, cudaStream_t stream) {
     if (meta.count == 0) return;
-    detail::update_meta_kernel<><<<1, detail::kMaxMetaPerLaunch, 0, stream>>>(
+    detail::update_meta_kernel<><<<1, detail::entry_threads(meta.count), 0, stream>>>(
         meta_.data(), static_cast<int>(config_.max_batch), meta);
     check_launch("kvcache::cuda::update_meta_kernel");
     meta.count = 0;

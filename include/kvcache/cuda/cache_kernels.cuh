@@ -48,7 +48,7 @@ struct BlockEntry {
   std::int32_t seq, index;
   block_id block;
 };
-inline constexpr int kMaxBlocksPerLaunch = 1024;  // also the threads of its one block
+inline constexpr int kMaxBlocksPerLaunch = 1024;  // entries: at most a block of threads
 struct BlockBatch {
   int count = 0;
   BlockEntry entry[kMaxBlocksPerLaunch];
@@ -124,6 +124,12 @@ __global__ void append_kernel(DeviceKVView<T> view, key_format_t<T>* k_out,
   const std::int64_t row = dst / view.head_dim;
   append_row(k + src, view.head_dim, k_out + dst, ks_out != nullptr ? ks_out + row : nullptr);
   append_row(v + src, view.head_dim, v_out + dst, vs_out != nullptr ? vs_out + row : nullptr);
+}
+
+/// The threads of a launch of update_meta_kernel or update_blocks_kernel: one per entry, in whole
+/// warps (one block of at most 1024).
+inline unsigned entry_threads(int count) noexcept {
+  return static_cast<unsigned>((count + 31) / 32 * 32);
 }
 
 /// Writes (length, sink_end, recent_begin) entries into the device metadata [layer][3][batch].

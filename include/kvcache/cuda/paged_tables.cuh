@@ -86,7 +86,7 @@ class PagedTables {
     detail::BlockBatch batch;
     const auto flush = [&] {
       if (batch.count == 0) return;
-      detail::update_blocks_kernel<><<<1, detail::kMaxBlocksPerLaunch, 0, stream>>>(
+      detail::update_blocks_kernel<><<<1, detail::entry_threads(batch.count), 0, stream>>>(
           device_.data(), static_cast<int>(max_blocks_), batch);
       check_launch("kvcache::cuda::update_blocks_kernel");
       batch.count = 0;
