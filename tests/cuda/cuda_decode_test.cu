@@ -26,8 +26,8 @@
 
 using namespace kvcache::test::cuda_kernels;
 
-TEMPLATE_TEST_CASE("CUDA append stores exactly what the CPU cache stores", "[cuda]", float,
-                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3, HalfInt8, Fp8Bf16) {
+TEMPLATE_TEST_CASE("CUDA append stores exactly what the CPU cache stores", "[cuda]",
+                   KVCACHE_TEST_CUDA_FORMATS) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-append");
   for (kcuda::Layout layout : kLayouts) {
@@ -47,8 +47,8 @@ TEST_CASE("CUDA append of a batch wider than one launch stores every sequence", 
   }
 }
 
-TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda][decode]", float,
-                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3, HalfInt8, Fp8Bf16) {
+TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda][decode]",
+                   KVCACHE_TEST_CUDA_FORMATS) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-decode");
   struct Case {
@@ -321,8 +321,7 @@ TEST_CASE("CUDA launchers reject bad shapes before touching the device", "[cuda]
 TEMPLATE_TEST_CASE(
     "CUDA decode: inf or NaN in q, or in a seen key's K or V, makes exactly the rows that see it "
     "NaN; unseen ones change no bit",
-    "[cuda][nonfinite]", float, kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3,
-    HalfInt8, Fp8Bf16) {
+    "[cuda][nonfinite]", KVCACHE_TEST_CUDA_FORMATS) {
   if (!have_device()) return;
   using T = TestType;
   auto rng = kvcache::test::make_rng("cuda-nonfinite-decode");

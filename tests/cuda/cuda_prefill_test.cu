@@ -27,9 +27,8 @@
 
 using namespace kvcache::test::cuda_kernels;
 
-TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda][prefill]", float,
-                   kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3, HalfInt8, Fp8Bf16,
-                   Int8Fp8, HalfBf16) {
+TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda][prefill]",
+                   KVCACHE_TEST_CUDA_PREFILL_FORMATS) {
   if (!have_device()) return;
   auto rng = kvcache::test::make_rng("cuda-prefill");
   using Operand = kcuda::detail::prefill_operand_t<TestType>;
@@ -295,8 +294,7 @@ TEST_CASE("visible_keys lists every present key a validated mask lets the querie
 TEMPLATE_TEST_CASE(
     "CUDA prefill: inf or NaN in q, or in a seen key's K or V, makes exactly the rows that see it "
     "NaN; unseen ones change no bit",
-    "[cuda][nonfinite]", float, kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3,
-    HalfInt8, Fp8Bf16) {
+    "[cuda][nonfinite]", KVCACHE_TEST_CUDA_FORMATS) {
   if (!have_device()) return;
   using T = TestType;
   auto rng = kvcache::test::make_rng("cuda-nonfinite-prefill");

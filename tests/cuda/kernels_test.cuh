@@ -181,6 +181,22 @@ using Fp8Bf16 = kvcache::KVFormats<kvcache::fp8_e4m3, bfloat16>;
 using Int8Fp8 = kvcache::KVFormats<kvcache::qint8, kvcache::fp8_e4m3>;
 using HalfBf16 = kvcache::KVFormats<kvcache::half, bfloat16>;
 
+// The formats the append, decode and nonfinite tests run (KVCACHE_TEST_CUDA_FORMATS) and the
+// prefill test (KVCACHE_TEST_CUDA_PREFILL_FORMATS: also the pairs whose prefill operands are
+// neither side's type). Under AddressSanitizer (kernels emulated on the CPU, 5x slower) one format
+// of each storage arrangement: 32-bit, 16-bit (half; bf16 rows are laid out alike), 8-bit codes
+// with row scales (int8; fp8 alike) and a pair each way (quantized V, quantized K). The memory
+// errors it looks for are in where rows are read and written, which the formats of one
+// arrangement share; the plain build runs every format.
+#if defined(__SANITIZE_ADDRESS__)
+#define KVCACHE_TEST_CUDA_FORMATS float, kvcache::half, kvcache::qint8, HalfInt8, Fp8Bf16
+#define KVCACHE_TEST_CUDA_PREFILL_FORMATS KVCACHE_TEST_CUDA_FORMATS
+#else
+#define KVCACHE_TEST_CUDA_FORMATS \
+  float, kvcache::half, bfloat16, kvcache::qint8, kvcache::fp8_e4m3, HalfInt8, Fp8Bf16
+#define KVCACHE_TEST_CUDA_PREFILL_FORMATS KVCACHE_TEST_CUDA_FORMATS, Int8Fp8, HalfBf16
+#endif
+
 // int8, fp8 and the pairs: decode reads them on the CUDA-core kernel, whose arithmetic the
 // float cases check; fewer cases add the reading of their codes, scales and sides.
 template <class T>
