@@ -38,6 +38,7 @@ using kvcache::test::Tolerance;
 
 namespace kvcache::test::cuda_kernels {
 
+// for the test files, which use this namespace
 using test::download;
 using test::have_device;
 using test::upload;
