@@ -256,14 +256,15 @@ void fma_args(benchmark::internal::Benchmark* b) { add_args(b, {0}); }
 BENCHMARK(BM_FmaPeak)->Apply(fma_args)->UseRealTime();
 #endif
 
-// The kernel's ceiling: the same decode over one 4 MiB layer of half K/V (1024 tokens), attended
-// again and again so that it stays in the last-level cache. Where this rate is close to the DRAM
-// read rate, decode is bound by arithmetic, not by memory.
+// The kernel's ceiling: the same decode over one layer of 1024 tokens (4 MiB of half K/V),
+// attended again and again so that it stays in the last-level cache. Where this rate is close to
+// the DRAM read rate, decode is bound by arithmetic, not by memory.
+template <class F>
 void BM_DecodeInCache(benchmark::State& state) {
   const auto context = static_cast<std::size_t>(state.range(0));
   const auto threads = static_cast<std::size_t>(state.range(1));
   const kvcache::cpu::Kernel kernel = kernel_of(state.range(2));
-  const auto cache = random_cache<kvcache::half>(1, context);
+  const auto cache = random_cache<F>(1, context);
   kvcache::ThreadPool pool(threads);
   std::vector<float> q(kQHeads * kHeadDim, 0.1f), out(q.size());
   for (auto _ : state) {
@@ -272,11 +273,13 @@ void BM_DecodeInCache(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(layer_bytes<kvcache::half>(context) *
+  state.SetBytesProcessed(static_cast<std::int64_t>(layer_bytes<F>(context) *
                                                     static_cast<std::size_t>(state.iterations())));
 }
 void in_cache_args(benchmark::internal::Benchmark* b) { add_args(b, {1024}); }
-BENCHMARK(BM_DecodeInCache)->Apply(in_cache_args)->UseRealTime();
+BENCHMARK(BM_DecodeInCache<kvcache::half>)->Apply(in_cache_args)->UseRealTime();
+BENCHMARK(BM_DecodeInCache<kvcache::qint8>)->Apply(in_cache_args)->UseRealTime();
+BENCHMARK(BM_DecodeInCache<kvcache::fp8_e4m3>)->Apply(in_cache_args)->UseRealTime();
 
 // Decode over a sliding window (4096 + 4 sinks, wrapped: 16k tokens appended) with absolute or
 // cache-relative positions (PositionMode): what turning the query back for the sinks costs.
@@ -355,20 +358,25 @@ int main(int argc, char** argv) {
       }
     }
     std::printf(
-        "\nthe kernel's ceiling: half, 1024 tokens attended over and over from the last-level "
-        "cache, over the DRAM read rate of the 16k-token rows\n");
-    std::printf("%8s %7s %16s %12s %7s\n", "threads", "kernel", "in-cache GB/s", "read GB/s",
-                "ratio");
-    for (int t : {1, 2}) {
-      for (int simd : {256, 512}) {
-        const std::string tail = "/threads:" + std::to_string(t) + "/simd:" + std::to_string(simd);
-        const double in_cache =
-            r.figure("BM_DecodeInCache/context:1024" + tail + "/real_time", "bytes_per_second");
-        const double read = r.figure(
-            "BM_DecodeAttention<kvcache::half>/context:16384" + tail + "/manual_time", "read_GBps");
-        if (in_cache == 0 || read == 0) continue;
-        std::printf("%8d %7s %16.2f %12.2f %7.3f\n", t, kernel_name(simd), in_cache / 1e9, read,
-                    in_cache / 1e9 / read);
+        "\nthe kernel's ceiling: 1024 tokens attended over and over from the last-level cache, "
+        "over the DRAM read rate of the same format's 16k-token rows\n");
+    std::printf("%-6s %8s %7s %16s %12s %7s\n", "format", "threads", "kernel", "in-cache GB/s",
+                "read GB/s", "ratio");
+    for (const auto& [label, type] : formats) {
+      for (int t : {1, 2}) {
+        for (int simd : {256, 512}) {
+          const std::string tail =
+              ">/context:1024/threads:" + std::to_string(t) + "/simd:" + std::to_string(simd);
+          const double in_cache = r.figure(
+              std::string("BM_DecodeInCache<") + type + tail + "/real_time", "bytes_per_second");
+          const double read = r.figure(std::string("BM_DecodeAttention<") + type +
+                                           ">/context:16384/threads:" + std::to_string(t) +
+                                           "/simd:" + std::to_string(simd) + "/manual_time",
+                                       "read_GBps");
+          if (in_cache == 0 || read == 0) continue;
+          std::printf("%-6s %8d %7s %16.2f %12.2f %7.3f\n", label, t, kernel_name(simd),
+                      in_cache / 1e9, read, in_cache / 1e9 / read);
+        }
       }
     }
     const double absolute = r.figure("BM_SlidingDecode/relative:0/real_time", "real_time_ns");
