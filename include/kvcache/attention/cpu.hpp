@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <limits>
@@ -24,6 +23,7 @@
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/error.hpp"
 #include "kvcache/core/executor.hpp"
+#include "kvcache/core/math.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -292,7 +292,9 @@ void run_tasks(Kernel kernel, std::span<const AttentionTask<V, Q, O>> tasks,
     }
     const auto& t = tasks[i];
     const float scale =
-        opts.scale > 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(t.view.head_dim()));
+        opts.scale > 0.0f
+            ? opts.scale
+            : 1.0f / kvcache::detail::math::sqrt(static_cast<float>(t.view.head_dim()));
     Kernels<T>::run_item(kernel, ErasedTask<T>(t), split, first_pos[i], global, mask, scale,
                          opts.softcap);
   };

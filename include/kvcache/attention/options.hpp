@@ -5,7 +5,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <optional>
 
@@ -15,6 +14,7 @@
 #include "kvcache/core/error.hpp"
 #include "kvcache/core/executor.hpp"
 #include "kvcache/core/mask.hpp"
+#include "kvcache/core/math.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -89,8 +89,8 @@ namespace detail {
 /// The option half of check_attention(). @throws shape_error for a negative or non-finite
 /// scale or softcap, and for a window or sinks without causal masking.
 inline void check_options(const AttentionOptions& opts) {
-  if (!(opts.scale >= 0.0f) || !std::isfinite(opts.scale) || !(opts.softcap >= 0.0f) ||
-      !std::isfinite(opts.softcap)) {
+  if (!(opts.scale >= 0.0f) || !detail::math::isfinite(opts.scale) || !(opts.softcap >= 0.0f) ||
+      !detail::math::isfinite(opts.softcap)) {
     throw shape_error(detail::message("attend: scale (", opts.scale, ") and softcap (",
                                       opts.softcap, ") must be finite and >= 0"));
   }

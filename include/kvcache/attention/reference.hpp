@@ -3,7 +3,6 @@
 // than fast. Tests compare every cache and every fast kernel against it.
 #pragma once
 
-#include <cmath>
 #include <cstddef>
 #include <limits>
 #include <span>
@@ -12,6 +11,7 @@
 #include "kvcache/attention/options.hpp"
 #include "kvcache/core/error.hpp"
 #include "kvcache/core/format.hpp"
+#include "kvcache/core/math.hpp"
 #include "kvcache/core/tensor.hpp"
 #include "kvcache/core/view.hpp"
 
@@ -44,8 +44,9 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
   }
   const std::size_t d = q.head_dim;
   const std::size_t group = q.num_heads / k.num_heads;
-  const double scale =
-      opts.scale > 0.0f ? static_cast<double>(opts.scale) : 1.0 / std::sqrt(static_cast<double>(d));
+  const double scale = opts.scale > 0.0f
+                           ? static_cast<double>(opts.scale)
+                           : 1.0 / kvcache::detail::math::sqrt(static_cast<double>(d));
   const KVMask mask = detail::mask_of(opts);
   if (mask.rope != nullptr && mask.rope->head_dim() != d) {
     throw shape_error(
@@ -78,13 +79,14 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
         double s = 0.0;
         for (std::size_t j = 0; j < d; ++j) {
           s += static_cast<double>(qr[j]) * static_cast<double>(kr[j]);
-          bad = bad || !std::isfinite(qr[j]) || !std::isfinite(kr[j]) || !std::isfinite(vr[j]);
+          bad = bad || !kvcache::detail::math::isfinite(qr[j]) ||
+                !kvcache::detail::math::isfinite(kr[j]) || !kvcache::detail::math::isfinite(vr[j]);
         }
         if (bad) break;  // the output is NaN whatever the other keys hold
         s *= scale;
         if (opts.softcap > 0.0f) {
           const auto cap = static_cast<double>(opts.softcap);
-          s = cap * std::tanh(s / cap);
+          s = cap * kvcache::detail::math::tanh(s / cap);
         }
         scores[i] = s;
         max_score = std::max(max_score, s);
@@ -94,7 +96,7 @@ inline void attend_dense(TokenBlock<const float> q, std::span<const position_t> 
       if (!bad && max_score > -std::numeric_limits<double>::infinity()) {
         for (std::size_t i = 0; i < k.num_tokens; ++i) {
           if (scores[i] == -std::numeric_limits<double>::infinity()) continue;
-          const double p = std::exp(scores[i] - max_score);
+          const double p = kvcache::detail::math::exp(scores[i] - max_score);
           sum += p;
           const float* vr = v.row(i, kvh);
           for (std::size_t j = 0; j < d; ++j) acc[j] += p * static_cast<double>(vr[j]);

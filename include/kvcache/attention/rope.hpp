@@ -6,7 +6,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <numbers>
 #include <span>
@@ -14,6 +13,7 @@
 
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/math.hpp"
 #include "kvcache/core/tensor.hpp"
 
 namespace kvcache {
@@ -86,19 +86,19 @@ class Rope {
     const double dims = static_cast<double>(rotary_dims_);
     for (std::size_t i = 0; i < inv_freq_.size(); ++i) {
       if (config.scaling == RopeScaling::none) {
-        inv_freq_[i] = 1.0f / std::pow(config.base, static_cast<float>(2 * i) /
-                                                        static_cast<float>(rotary_dims_));
+        inv_freq_[i] = 1.0f / detail::math::pow(config.base, static_cast<float>(2 * i) /
+                                                                 static_cast<float>(rotary_dims_));
         continue;
       }
       const double theta =
-          std::pow(static_cast<double>(config.base), -static_cast<double>(2 * i) / dims);
+          detail::math::pow(static_cast<double>(config.base), -static_cast<double>(2 * i) / dims);
       inv_freq_[i] = static_cast<float>(scaled(theta, i));
     }
     if (config.scaling == RopeScaling::yarn) {
       const double factor = static_cast<double>(config.factor);
       magnitude_ = config.attention_factor > 0.0f ? config.attention_factor
                    : factor <= 1.0                ? 1.0f
-                                   : static_cast<float>(0.1 * std::log(factor) + 1.0);
+                                   : static_cast<float>(0.1 * detail::math::log(factor) + 1.0);
     }
   }
 
@@ -151,7 +151,7 @@ class Rope {
     const auto fail = [](const auto&... parts) {
       throw shape_error(detail::message("Rope: ", parts...));
     };
-    const auto positive = [](float x) { return std::isfinite(x) && x > 0.0f; };
+    const auto positive = [](float x) { return detail::math::isfinite(x) && x > 0.0f; };
     if (head_dim_ == 0) fail("head_dim must be at least 1");
     if (rotary_dims_ % 2 != 0 || rotary_dims_ > head_dim_) {
       fail("rotary_dims ", rotary_dims_, " must be even and at most head_dim ", head_dim_);
@@ -175,7 +175,7 @@ class Rope {
       fail("yarn scaling needs beta_fast > beta_slow > 0, got ", config_.beta_fast, " and ",
            config_.beta_slow);
     }
-    if (!(std::isfinite(config_.attention_factor) && config_.attention_factor >= 0.0f)) {
+    if (!(detail::math::isfinite(config_.attention_factor) && config_.attention_factor >= 0.0f)) {
       fail("attention_factor ", config_.attention_factor, " must be finite and >= 0");
     }
   }
@@ -202,11 +202,11 @@ class Rope {
         const double dims = static_cast<double>(rotary_dims_);
         const double base = static_cast<double>(config_.base);
         const auto dim_of = [&](float rotations) {
-          return dims * std::log(original / (static_cast<double>(rotations) * two_pi)) /
-                 (2.0 * std::log(base));
+          return dims * detail::math::log(original / (static_cast<double>(rotations) * two_pi)) /
+                 (2.0 * detail::math::log(base));
         };
-        const double lo = std::max(std::floor(dim_of(config_.beta_fast)), 0.0);
-        double hi = std::min(std::ceil(dim_of(config_.beta_slow)), dims - 1.0);
+        const double lo = std::max(detail::math::floor(dim_of(config_.beta_fast)), 0.0);
+        double hi = std::min(detail::math::ceil(dim_of(config_.beta_slow)), dims - 1.0);
         if (hi == lo) hi += 0.001;
         const double ramp = std::clamp((static_cast<double>(i) - lo) / (hi - lo), 0.0, 1.0);
         const double extrapolate = 1.0 - ramp;  // 1 for the fast (high-frequency) pairs
@@ -236,8 +236,8 @@ class Rope {
                    float magnitude) const noexcept {
     for (std::size_t j = 0; j < m; ++j) {
       const double angle = pos * static_cast<double>(inv_freq_[first + j]);
-      cs[j] = static_cast<float>(std::cos(angle)) * magnitude;
-      sn[j] = static_cast<float>(std::sin(angle)) * magnitude;
+      cs[j] = static_cast<float>(detail::math::cos(angle)) * magnitude;
+      sn[j] = static_cast<float>(detail::math::sin(angle)) * magnitude;
     }
   }
 

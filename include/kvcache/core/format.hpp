@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -17,6 +16,7 @@
 
 #include "kvcache/core/dtype.hpp"
 #include "kvcache/core/host_device.hpp"
+#include "kvcache/core/math.hpp"
 
 namespace kvcache {
 
@@ -103,7 +103,8 @@ template <QuantizedElement T>
 [[nodiscard]] KVCACHE_HOST_DEVICE_INLINE T encode(float x) noexcept {
   if constexpr (std::same_as<T, qint8>) {
     const float clamped = x < -127.0f ? -127.0f : x > 127.0f ? 127.0f : x;
-    return qint8(static_cast<std::int8_t>(nearbyintf(clamped)));  // default mode: to even
+    return qint8(
+        static_cast<std::int8_t>(detail::math::nearbyint(clamped)));  // default mode: to even
   } else {
     return fp8_e4m3(x);
   }
