@@ -12,6 +12,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "kvcache/core/compiled_once.hpp"
 #include "kvcache/core/executor.hpp"
 
 namespace kvcache {
@@ -54,6 +55,6 @@ static_assert(ExecutorConcept<ThreadPool>);
 
 }  // namespace kvcache
 
-#if !defined(KVCACHE_EXTERN_KERNELS) || defined(KVCACHE_INSTANTIATE_KERNELS)
+#if KVCACHE_DETAIL_DEFINES_BODIES
 #include "kvcache/core/thread_pool_impl.hpp"
 #endif

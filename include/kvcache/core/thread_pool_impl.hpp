@@ -14,14 +14,9 @@
 #include <utility>
 #include <vector>
 
+#include "kvcache/core/compiled_once.hpp"
 #include "kvcache/core/error.hpp"
 #include "kvcache/core/thread_pool.hpp"
-
-#if defined(KVCACHE_INSTANTIATE_KERNELS)
-#define KVCACHE_DETAIL_POOL_INLINE
-#else
-#define KVCACHE_DETAIL_POOL_INLINE inline
-#endif
 
 namespace kvcache {
 
@@ -91,7 +86,7 @@ struct ThreadPool::State {
   }
 };
 
-KVCACHE_DETAIL_POOL_INLINE ThreadPool::ThreadPool(std::size_t num_threads) {
+KVCACHE_DETAIL_BODY_INLINE ThreadPool::ThreadPool(std::size_t num_threads) {
   if (num_threads == 0) throw shape_error("ThreadPool: num_threads must be at least 1");
   state_ = std::make_unique<State>();
   State& s = *state_;
@@ -104,13 +99,13 @@ KVCACHE_DETAIL_POOL_INLINE ThreadPool::ThreadPool(std::size_t num_threads) {
   }
 }
 
-KVCACHE_DETAIL_POOL_INLINE ThreadPool::~ThreadPool() { state_->stop_workers(); }
+KVCACHE_DETAIL_BODY_INLINE ThreadPool::~ThreadPool() { state_->stop_workers(); }
 
-KVCACHE_DETAIL_POOL_INLINE std::size_t ThreadPool::num_threads() const noexcept {
+KVCACHE_DETAIL_BODY_INLINE std::size_t ThreadPool::num_threads() const noexcept {
   return state_->workers.size() + 1;
 }
 
-KVCACHE_DETAIL_POOL_INLINE void ThreadPool::run(std::size_t n, void* job,
+KVCACHE_DETAIL_BODY_INLINE void ThreadPool::run(std::size_t n, void* job,
                                                 void (*invoke)(void*, std::size_t)) {
   if (n == 0) return;
   State& s = *state_;
@@ -143,5 +138,3 @@ KVCACHE_DETAIL_POOL_INLINE void ThreadPool::run(std::size_t n, void* job,
 }
 
 }  // namespace kvcache
-
-#undef KVCACHE_DETAIL_POOL_INLINE

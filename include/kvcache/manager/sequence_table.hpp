@@ -1,17 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // SequenceTable: what a BlockManager knows about each sequence slot — its block table, token ids,
-// per-layer lengths and commitment — in arrays allocated once. Metadata only, no lock.
+// per-layer lengths and commitment — in arrays allocated once. Metadata only, no lock. Its
+// constructor and scans are in manager/sequence_table_impl.hpp (where: core/compiled_once.hpp).
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
 #include <vector>
 
-#include "kvcache/core/config.hpp"
-#include "kvcache/core/error.hpp"
+#include "kvcache/core/compiled_once.hpp"
 #include "kvcache/prefix/types.hpp"
 
 namespace kvcache {
@@ -53,17 +52,7 @@ class SequenceTable {
   SequenceTable() = default;
   /// @throws capacity_error when a size overflows (naming `name`); std::bad_alloc.
   SequenceTable(std::size_t max_batch, std::size_t num_layers, std::size_t max_blocks_per_seq,
-                std::size_t max_seq_len, const char* name)
-      : max_batch_(max_batch),
-        num_layers_(num_layers),
-        max_blocks_(max_blocks_per_seq),
-        max_seq_len_(max_seq_len) {
-    records_.resize(max_batch);
-    tables_.assign(detail::checked_mul(max_batch, max_blocks_per_seq, name), kNoBlock);
-    copies_.resize(tables_.size());
-    ids_.assign(detail::checked_mul(max_batch, max_seq_len, name), 0);
-    lengths_.assign(detail::checked_mul(max_batch, num_layers, name), 0);
-  }
+                std::size_t max_seq_len, const char* name);
 
   [[nodiscard]] std::size_t max_batch() const noexcept { return max_batch_; }
   [[nodiscard]] std::size_t num_layers() const noexcept { return num_layers_; }
@@ -104,18 +93,10 @@ class SequenceTable {
   [[nodiscard]] std::span<const std::size_t> lengths(std::size_t seq) const noexcept {
     return {lengths_.data() + seq * num_layers_, num_layers_};
   }
-  [[nodiscard]] Extent extent(std::size_t seq) const noexcept {
-    const std::span<const std::size_t> l = lengths(seq);
-    const auto [lo, hi] = std::minmax_element(l.begin(), l.end());
-    return {*lo, *hi};
-  }
+  [[nodiscard]] Extent extent(std::size_t seq) const noexcept;
 
   /// Slot seq empty again: no blocks, ids or positions. (The caller releases the blocks first.)
-  void clear(std::size_t seq) noexcept {
-    records_[seq] = {};
-    const std::span<std::size_t> l = lengths(seq);
-    std::fill(l.begin(), l.end(), 0);
-  }
+  void clear(std::size_t seq) noexcept;
 
  private:
   std::size_t max_batch_ = 0;
@@ -130,3 +111,7 @@ class SequenceTable {
 };
 
 }  // namespace kvcache
+
+#if KVCACHE_DETAIL_DEFINES_BODIES
+#include "kvcache/manager/sequence_table_impl.hpp"
+#endif
