@@ -324,19 +324,16 @@ TEMPLATE_TEST_CASE(
     "[cuda][nonfinite]", KVCACHE_TEST_CUDA_FORMATS) {
   if (!have_device()) return;
   using T = TestType;
+  using namespace nonfinite;
   auto rng = kvcache::test::make_rng("cuda-nonfinite-decode");
-  constexpr float kInfinity = std::numeric_limits<float>::infinity();
-  constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
-  constexpr std::size_t dim = 64, kv_heads = 2, group = 4, q_heads = kv_heads * group;
-  for (kcuda::Layout layout : {kcuda::Layout::paged, kcuda::Layout::contiguous}) {
-    if (kQuickNonfinite && layout != kcuda::Layout::paged) continue;
+  for (kcuda::Layout layout : layouts()) {
     // Decode: 600 keys (split-K: the merge sees the NaN partial), an empty sequence whose q is
     // NaN (zeros: it sees no key), 77 keys (keys in the first split only).
     const std::vector<std::int64_t> lengths{600, 0, 77};
     std::vector<std::vector<float>> keys, values;
     for (std::int64_t n : lengths) {
-      keys.push_back(exact_tokens(rng, n, kv_heads, dim));
-      values.push_back(exact_tokens(rng, n, kv_heads, dim));
+      keys.push_back(exact_tokens(rng, n));
+      values.push_back(exact_tokens(rng, n));
     }
     auto q = kvcache::test::normal_floats(rng, lengths.size() * q_heads * dim);
     std::fill(q.begin() + q_heads * dim, q.begin() + 2 * q_heads * dim, kNan);
@@ -400,8 +397,8 @@ TEMPLATE_TEST_CASE(
         for (const Plant& p : plants) {
           INFO((p.value_side ? "V" : "K") << " of seq " << p.seq << " head " << p.kv_head << " pos "
                                           << p.pos << " = " << p.value);
-          const auto got = run(q, p.value_side ? keys : planted(keys, p, kv_heads, dim),
-                               p.value_side ? planted(values, p, kv_heads, dim) : values, nullptr);
+          const auto got = run(q, p.value_side ? keys : planted(keys, p),
+                               p.value_side ? planted(values, p) : values, nullptr);
           require_nan_rows(got, base, lengths.size(), q_heads, dim,
                            [&](std::size_t r, std::size_t h) {
                              return r == p.seq && h / group == p.kv_head &&

@@ -297,12 +297,9 @@ TEMPLATE_TEST_CASE(
     "[cuda][nonfinite]", KVCACHE_TEST_CUDA_FORMATS) {
   if (!have_device()) return;
   using T = TestType;
+  using namespace nonfinite;
   auto rng = kvcache::test::make_rng("cuda-nonfinite-prefill");
-  constexpr float kInfinity = std::numeric_limits<float>::infinity();
-  constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
-  constexpr std::size_t dim = 64, kv_heads = 2, group = 4, q_heads = kv_heads * group;
-  for (kcuda::Layout layout : {kcuda::Layout::paged, kcuda::Layout::contiguous}) {
-    if (kQuickNonfinite && layout != kcuda::Layout::paged) continue;
+  for (kcuda::Layout layout : layouts()) {
     // Prefill: sequence 0 holds 70 cached tokens and 60 new ones (positions 70..129), sequence
     // 1 20 new ones; causal, so a value planted at a later token of the chunk touches none of
     // the earlier rows.
@@ -310,8 +307,8 @@ TEMPLATE_TEST_CASE(
     const std::vector<std::int32_t> offsets{0, 60, 80};
     std::vector<std::vector<float>> pk, pv;
     for (std::int64_t n : total) {
-      pk.push_back(exact_tokens(rng, n, kv_heads, dim));
-      pv.push_back(exact_tokens(rng, n, kv_heads, dim));
+      pk.push_back(exact_tokens(rng, n));
+      pv.push_back(exact_tokens(rng, n));
     }
     const auto pq = kvcache::test::normal_floats(rng, 80 * q_heads * dim);
     auto doff = upload(offsets);
@@ -356,8 +353,8 @@ TEMPLATE_TEST_CASE(
       for (const Plant& p : plants) {
         INFO((p.value_side ? "V" : "K") << " of seq " << p.seq << " head " << p.kv_head << " pos "
                                         << p.pos << " = " << p.value);
-        const auto got = run(pq, p.value_side ? pk : planted(pk, p, kv_heads, dim),
-                             p.value_side ? planted(pv, p, kv_heads, dim) : pv);
+        const auto got =
+            run(pq, p.value_side ? pk : planted(pk, p), p.value_side ? planted(pv, p) : pv);
         // V in int8/fp8: a bad V row may move the unseen rows of its tile by rounding
         // (prefill.cuh)
         const float rounding =

@@ -136,16 +136,9 @@ struct Pair {
           static_cast<std::size_t>(v.block_stride) * (num_blocks - 1) + kHeads * kBlock * kDim;
       const auto side = [&](const auto* rows, const kvcache::scale_type* scale_ptr) {
         using S = std::remove_cvref_t<decltype(*rows)>;
-        auto pool = std::make_shared<std::vector<S>>(elems);
-        kcuda::check(cudaMemcpy(pool->data(), rows, elems * sizeof(S), cudaMemcpyDeviceToHost),
-                     "download pool");
-        auto scales = std::make_shared<std::vector<kvcache::scale_type>>(
-            kvcache::scaled_v<S> ? elems / kDim : 0);
-        if constexpr (kvcache::scaled_v<S>) {
-          kcuda::check(
-              cudaMemcpy(scales->data(), scale_ptr, scales->size() * 2, cudaMemcpyDeviceToHost),
-              "download scales");
-        }
+        auto pool = std::make_shared<std::vector<S>>(download(rows, elems));
+        auto scales = std::make_shared<std::vector<kvcache::scale_type>>();
+        if constexpr (kvcache::scaled_v<S>) *scales = download(scale_ptr, elems / kDim);
         return [pool, scales](std::size_t row) {
           return row_values(pool->data() + row,
                             scales->empty() ? nullptr : scales->data() + row / kDim);

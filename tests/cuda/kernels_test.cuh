@@ -410,6 +410,20 @@ void require_nan_rows(const std::vector<float>& got, const std::vector<float>& b
   }
 }
 
+// The decode and prefill nonfinite cases' shape: 2 KV heads of 64 dims, 4 query heads each; their
+// planted values; the layouts they run; their K/V rows.
+namespace nonfinite {
+
+inline constexpr std::size_t dim = 64, kv_heads = 2, group = 4, q_heads = kv_heads * group;
+inline constexpr float kInfinity = std::numeric_limits<float>::infinity();
+inline constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+
+// Paged and contiguous; paged only under AddressSanitizer (kQuickNonfinite).
+inline std::vector<kcuda::Layout> layouts() {
+  if (kQuickNonfinite) return {kcuda::Layout::paged};
+  return {kcuda::Layout::paged, kcuda::Layout::contiguous};
+}
+
 // One planted value: `value` at element x of the K (or V) row of (seq, kv_head, pos).
 struct Plant {
   bool value_side;
@@ -420,16 +434,16 @@ struct Plant {
 };
 
 // n tokens' K or V rows ([n][kv_heads][dim]), with values exact in every element type.
-inline std::vector<float> exact_tokens(std::mt19937_64& rng, std::int64_t n, std::size_t kv_heads,
-                                       std::size_t dim) {
+inline std::vector<float> exact_tokens(std::mt19937_64& rng, std::int64_t n) {
   return rounded<bfloat16>(normal_floats(rng, static_cast<std::size_t>(n) * kv_heads * dim));
 }
 
 // kv ([seq][pos][kv_heads][dim] floats) with p planted.
-inline std::vector<std::vector<float>> planted(std::vector<std::vector<float>> kv, const Plant& p,
-                                               std::size_t kv_heads, std::size_t dim) {
+inline std::vector<std::vector<float>> planted(std::vector<std::vector<float>> kv, const Plant& p) {
   kv[p.seq][(static_cast<std::size_t>(p.pos) * kv_heads + p.kv_head) * dim + p.x] = p.value;
   return kv;
 }
+
+}  // namespace nonfinite
 
 }  // namespace kvcache::test::cuda_kernels
