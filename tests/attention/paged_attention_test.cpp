@@ -130,27 +130,31 @@ TEMPLATE_TEST_CASE(
             AttentionOptions{.causal = false}}) {
         // 1 and 3 query tokens fit one row block per KV head (lockstep); 9 x group 2 does not.
         for (std::size_t n : {std::size_t{1}, std::size_t{3}, std::size_t{9}}) {
+          // One query and one reference for every kernel (the reference is most of this test's
+          // time under the sanitizers).
+          const auto q = kvcache::test::normal_floats(rng, n * q_heads * dim);
+          const TokenBlock<const float> qb{q, n, q_heads, dim};
+          AttentionOptions opts = mask;
+          opts.query_pos = static_cast<position_t>(kLengths[0] - n);  // sequence 0's last n
+          std::vector<float> expect(q.size());
+          reference::attend(qb, paged.view(0, 0), {expect, n, q_heads, dim}, opts);
           for (cpu::Kernel kernel : kvcache::test::cpu_kernels(dim)) {
             INFO("kv_heads " << shape.kv_heads << " group " << shape.group << " dim " << dim
                              << " block " << block << " queries " << n << " window " << mask.window
                              << " sinks " << mask.num_sink_tokens << " softcap " << mask.softcap
                              << " causal " << mask.causal << " kernel "
                              << kvcache::test::kernel_name(kernel));
-            const auto q = kvcache::test::normal_floats(rng, n * q_heads * dim);
-            const TokenBlock<const float> qb{q, n, q_heads, dim};
-            AttentionOptions opts = mask;
-            opts.query_pos = static_cast<position_t>(kLengths[0] - n);  // sequence 0's last n
-            std::vector<float> expect(q.size()), flat(q.size());
-            reference::attend(qb, paged.view(0, 0), {expect, n, q_heads, dim}, opts);
-            cpu::attend(qb, contiguous.view(0, 0), {flat, n, q_heads, dim}, opts, kernel);
+            AttentionOptions call = opts;  // its pool set below
+            std::vector<float> flat(q.size());
+            cpu::attend(qb, contiguous.view(0, 0), {flat, n, q_heads, dim}, call, kernel);
             for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
               INFO("threads " << (p == nullptr ? 1 : p->num_threads()));
-              opts.pool = p;
+              call.pool = p;
               std::vector<float> got(q.size(), -1.0f);
-              cpu::attend(qb, paged.view(0, 0), {got, n, q_heads, dim}, opts, kernel);
+              cpu::attend(qb, paged.view(0, 0), {got, n, q_heads, dim}, call, kernel);
               REQUIRE(kvcache::test::same_bits(got, flat));
               std::fill(got.begin(), got.end(), -1.0f);
-              cpu::attend(qb, chunked.view(0, 0), {got, n, q_heads, dim}, opts, kernel);
+              cpu::attend(qb, chunked.view(0, 0), {got, n, q_heads, dim}, call, kernel);
               REQUIRE(kvcache::test::same_bits(got, flat));
             }
             // Same stored K/V on both sides: only fp32 vs double accumulation differs.
