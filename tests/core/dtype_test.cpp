@@ -84,7 +84,8 @@ std::uint16_t bf16_reference(float f) {
 
 #if KVCACHE_X86_DISPATCH
 __attribute__((target("f16c"))) std::uint16_t f16c_from_float(float f) {
-  return static_cast<std::uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+  return static_cast<std::uint16_t>(
+      _mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT), 0));
 }
 __attribute__((target("f16c"))) float f16c_to_float(std::uint16_t h) { return _cvtsh_ss(h); }
 #endif

@@ -264,7 +264,7 @@ TEST_CASE("SegmentView::push takes segments in position order within the view, r
   const std::pair<position_t, std::size_t> outside[] = {{4, 2}, {1, 2}, {9, 3}, {15, 6}};
   for (const auto& [first, len] : outside) {
     INFO("segment at " << first << ", " << len << " positions");
-    require_throws<position_error>([&] { view.push(seg(first, len)); }, "segment 1",
+    require_throws<position_error>([&, f = first, n = len] { view.push(seg(f, n)); }, "segment 1",
                                    "[0, 2) and [10, 20)");
     REQUIRE(view.num_segments() == 1);
   }

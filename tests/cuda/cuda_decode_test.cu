@@ -71,7 +71,7 @@ TEMPLATE_TEST_CASE("CUDA decode attention equals the CPU reference", "[cuda][dec
   // int8, fp8 and the pairs run on the fp32 kernel (its other cases check its arithmetic); these
   // cases add the reading of codes, scales and sides at every head_dim, group chunking and
   // position mode.
-#if defined(__SANITIZE_ADDRESS__)
+#if KVCACHE_TEST_ASAN
   const std::vector<std::size_t> picked{0, 1, 3};
 #else
   std::vector<std::size_t> picked(all_cases.size());
@@ -384,7 +384,9 @@ TEMPLATE_TEST_CASE(
           bad_q[(s * q_heads + h) * dim + 7] = bad;
           INFO("q[" << s << "][" << h << "] = " << bad);
           require_nan_rows(run(bad_q, keys, values, nullptr), base, lengths.size(), q_heads, dim,
-                           [&](std::size_t r, std::size_t rh) { return r == s && rh == h; });
+                           [&, bad_s = s, bad_h = h](std::size_t r, std::size_t rh) {
+                             return r == bad_s && rh == bad_h;
+                           });
         }
         // K and V: seen keys (the first, the last, one mid-split, a sink), keys outside the
         // window

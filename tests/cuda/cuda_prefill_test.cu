@@ -33,7 +33,7 @@ TEMPLATE_TEST_CASE("CUDA prefill attention equals the CPU reference", "[cuda][pr
   auto rng = kvcache::test::make_rng("cuda-prefill");
   using Operand = kcuda::detail::prefill_operand_t<TestType>;
   for (kcuda::Layout layout : kLayouts) {
-#if defined(__SANITIZE_ADDRESS__)
+#if KVCACHE_TEST_ASAN
     // int8/fp8 under AddressSanitizer (5x slower): the paged layout; the plain build runs all
     if (kQuantizedOrPair<TestType> && layout != kcuda::Layout::paged) continue;
 #endif
@@ -341,7 +341,9 @@ TEMPLATE_TEST_CASE(
         bad_q[(r * q_heads + h) * dim + 1] = bad;
         INFO("q row " << r << " head " << h << " = " << bad);
         require_nan_rows(run(bad_q, pk, pv), base, 80, q_heads, dim,
-                         [&](std::size_t rr, std::size_t rh) { return rr == r && rh == h; });
+                         [&, bad_r = r, bad_h = h](std::size_t rr, std::size_t rh) {
+                           return rr == bad_r && rh == bad_h;
+                         });
       }
       // a later token of the chunk (100, 129), the cached prefix (5, 1), the first new token,
       // a sink

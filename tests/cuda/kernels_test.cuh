@@ -20,6 +20,7 @@
 #include "support/cache_helpers.hpp"
 #include "support/catch.hpp"
 #include "support/rng.hpp"
+#include "support/sanitizers.hpp"
 #include "support/tolerance.hpp"
 
 // No `using namespace kvcache`: CUDA's headers declare a global `half` and namespace `cuda`.
@@ -189,7 +190,7 @@ using HalfBf16 = kvcache::KVFormats<kvcache::half, bfloat16>;
 // with row scales (int8; fp8 alike) and a pair each way (quantized V, quantized K). The memory
 // errors it looks for are in where rows are read and written, which the formats of one
 // arrangement share; the plain build runs every format.
-#if defined(__SANITIZE_ADDRESS__)
+#if KVCACHE_TEST_ASAN
 #define KVCACHE_TEST_CUDA_FORMATS float, kvcache::half, kvcache::qint8, HalfInt8, Fp8Bf16
 #define KVCACHE_TEST_CUDA_PREFILL_FORMATS KVCACHE_TEST_CUDA_FORMATS
 #else
@@ -279,7 +280,7 @@ void check_append(const Twin& t, const std::vector<std::size_t>& lengths, std::m
 // Under AddressSanitizer (kernels emulated on the CPU, 5x slower) the nonfinite cases run the
 // paged layout, decode with the default options and prefill with a window only: the memory
 // errors it looks for do not depend on the masks (the plain build runs every case).
-#if defined(__SANITIZE_ADDRESS__)
+#if KVCACHE_TEST_ASAN
 inline constexpr bool kQuickNonfinite = true;
 #else
 inline constexpr bool kQuickNonfinite = false;

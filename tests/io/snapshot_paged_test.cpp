@@ -511,7 +511,7 @@ TEST_CASE("restoring a prefix the pool caches shares its blocks: only the rest n
     auto [dest, loaded] = setup(false);
     const auto before = paged_state(dest);
     require_throws<pool_exhausted_error>(
-        [&] { load_snapshot_bytes(bytes, dest, kModel); },
+        [&, &d = dest] { load_snapshot_bytes(bytes, d, kModel); },
         "restore of 1 sequences needs 1 blocks but the pool of 8 has 0 free and 1 evictable",
         "sharing 5 already cached", "eviction is off");
     REQUIRE(paged_state(dest) == before);

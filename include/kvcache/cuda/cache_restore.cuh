@@ -220,6 +220,7 @@ void DeviceCache<T>::read_rows(std::size_t layer, std::size_t seq, std::span<key
     return;
   }
   const std::size_t len = held;  // a paged sequence holds every position
+  if (len == 0) return;          // no blocks to stage (and no slab 0 to point into)
   const std::size_t bs = config_.block_size;
   const std::size_t pages = (len + bs - 1) / bs;
   KVRows<T> staging(pages, config_.num_kv_heads * bs, config_.head_dim);

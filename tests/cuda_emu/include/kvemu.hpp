@@ -31,6 +31,8 @@
 #include <utility>
 #include <vector>
 
+#include "support/sanitizers.hpp"  // KVCACHE_TEST_ASAN, KVCACHE_TEST_TSAN
+
 // ---- the CUDA dialect, as host C++ -------------------------------------------------------------
 #define __global__ inline
 #define __device__
@@ -79,21 +81,11 @@ enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 
-#if defined(__SANITIZE_ADDRESS__)
-#define KVEMU_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define KVEMU_ASAN 1
-#endif
-#endif
-#ifndef KVEMU_ASAN
-#define KVEMU_ASAN 0
-#endif
-#if KVEMU_ASAN
+#if KVCACHE_TEST_ASAN
 #include <sanitizer/common_interface_defs.h>
 #endif
 
-#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
+#if defined(__x86_64__) && !KVCACHE_TEST_TSAN
 #define KVEMU_FAST_SWITCH 1
 // kvemu_switch_stack(save, to): pushes the callee-saved registers, stores the stack pointer in
 // *save, switches to `to` and pops that context's registers. Weak: one copy per program.
@@ -197,7 +189,7 @@ struct Context {
 };
 
 inline void switch_context(Context& from, Context& to, bool from_finished = false) {
-#if KVEMU_ASAN
+#if KVCACHE_TEST_ASAN
   void* fake_stack = nullptr;
   __sanitizer_start_switch_fiber(from_finished ? nullptr : &fake_stack, to.stack_bottom,
                                  to.stack_size);
@@ -209,7 +201,7 @@ inline void switch_context(Context& from, Context& to, bool from_finished = fals
 #else
   swapcontext(&from.uc, &to.uc);
 #endif
-#if KVEMU_ASAN
+#if KVCACHE_TEST_ASAN
   __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
 #endif
 }
@@ -279,7 +271,7 @@ inline unsigned lane_of(const Fiber& f) { return f.linear % 32; }
 /// A thread's life: the kernel, its outstanding cp.async copies, back to the scheduler.
 [[noreturn]] inline void fiber_main() {
   Block& b = block();
-#if KVEMU_ASAN
+#if KVCACHE_TEST_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &b.scheduler.stack_bottom, &b.scheduler.stack_size);
 #endif
   b.body();
