@@ -6,6 +6,9 @@
 #include <numeric>
 
 #include "kvcache/kvcache.hpp"
+// A hasher of this file's own (CollidingHasher): its BlockManager's members compile here, as the
+// tests are built with KVCACHE_EXTERN_KERNELS (manager/block_manager_impl.hpp).
+#include "kvcache/manager/block_manager_impl.hpp"
 #include "support/cache_helpers.hpp"
 #include "support/catch.hpp"
 #include "support/prefix_helpers.hpp"

@@ -440,8 +440,8 @@ void attend(TokenBlock<QT> q, const V& view, TokenBlock<O> out, const AttentionO
 //   #include <kvcache/kvcache.hpp>
 //
 // Without that file the program fails to link (undefined Kernels<T>::run_item, and the members of
-// ThreadPool, Rope and SequenceTable where it uses them: core/compiled_once.hpp). Neither macro
-// changes what any function computes.
+// ThreadPool, Rope, SequenceTable and BlockManager where it uses them: core/compiled_once.hpp).
+// Neither macro changes what any function computes.
 //
 // KVCACHE_DETAIL_EACH_KERNELS(prefix) declares (extern template) or defines (template) the kernels
 // of every K/V format and of the K/V format pairs below: the one list of them both uses. The

@@ -48,7 +48,7 @@ class ThreadPool {
   struct State;
   /// parallel_for over invoke(job, i).
   void run(std::size_t n, void* job, void (*invoke)(void*, std::size_t));
-  std::unique_ptr<State> state_;
+  State* state_;  // owned (a std::unique_ptr here would cost every includer its instantiation)
 };
 
 static_assert(ExecutorConcept<ThreadPool>);

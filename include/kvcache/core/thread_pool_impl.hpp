@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -88,8 +89,8 @@ struct ThreadPool::State {
 
 KVCACHE_DETAIL_BODY_INLINE ThreadPool::ThreadPool(std::size_t num_threads) {
   if (num_threads == 0) throw shape_error("ThreadPool: num_threads must be at least 1");
-  state_ = std::make_unique<State>();
-  State& s = *state_;
+  std::unique_ptr<State> state = std::make_unique<State>();
+  State& s = *state;
   s.workers.reserve(num_threads - 1);
   try {
     for (std::size_t i = 0; i + 1 < num_threads; ++i) s.workers.emplace_back([&s] { s.work(); });
@@ -97,9 +98,13 @@ KVCACHE_DETAIL_BODY_INLINE ThreadPool::ThreadPool(std::size_t num_threads) {
     s.stop_workers();
     throw;
   }
+  state_ = state.release();
 }
 
-KVCACHE_DETAIL_BODY_INLINE ThreadPool::~ThreadPool() { state_->stop_workers(); }
+KVCACHE_DETAIL_BODY_INLINE ThreadPool::~ThreadPool() {
+  state_->stop_workers();
+  delete state_;
+}
 
 KVCACHE_DETAIL_BODY_INLINE std::size_t ThreadPool::num_threads() const noexcept {
   return state_->workers.size() + 1;

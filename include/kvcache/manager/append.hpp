@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <mutex>
 
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/mutex.hpp"
 #include "kvcache/manager/block_manager.hpp"
 
 namespace kvcache {
@@ -78,7 +78,7 @@ void BlockManager<Hasher>::begin_append(std::size_t layer, std::span<const Appen
     }
     tokens += requests[r].n;
   }
-  std::lock_guard lock(shared_->mutex);
+  const detail::MutexLock lock(shared_->mutex);
   BlockPool& pool = shared_->pool;
   std::size_t needed = 0, num_copies = 0;
   for (const AppendRequest& r : requests) {
@@ -140,7 +140,7 @@ typename BlockManager<Hasher>::AppendPlan BlockManager<Hasher>::begin_append(std
 template <BlockHasher Hasher>
 void BlockManager<Hasher>::end_append(std::span<const AppendPlan> plans) noexcept {
   {
-    std::lock_guard lock(shared_->mutex);
+    const detail::MutexLock lock(shared_->mutex);
     for (const AppendPlan& plan : plans) {
       for (std::size_t c = plan.copies.size(); c-- > 0;) {
         shared_->pool.release(plan.copies[c].from);

@@ -6,18 +6,20 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "kvcache/core/compiled_once.hpp"
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/mutex.hpp"
 #include "kvcache/core/prefix_cache_concept.hpp"
 #include "kvcache/core/restore.hpp"
 #include "kvcache/manager/sequence_table.hpp"
@@ -58,9 +60,38 @@ struct RestoreExtent {
   std::size_t length = 0;
 };
 
-/// What begin_restore() decided; the storage fills the fresh blocks, then end_restore() shares
-/// the rest and indexes. Opaque but for fresh_blocks().
-class RestorePlan;
+template <BlockHasher Hasher>
+class BlockManager;
+
+/// What BlockManager::begin_restore() decided for each sequence it names; opaque but for
+/// fresh_blocks(). The storage copies the restored rows into the fresh blocks (block_table(seq)
+/// entries in fresh_blocks(seq)), then calls end_restore(), which sets the other entries to
+/// blocks that already hold those rows.
+class RestorePlan {
+ public:
+  /// A range of table entries [begin, end).
+  struct Range {
+    std::size_t begin = 0, end = 0;
+  };
+
+  /// The table entries of `seq` the storage fills: every entry of a named sequence except the
+  /// shared ones, as two ranges; both empty for a sequence the restore does not name.
+  /// @pre seq < max_batch.
+  [[nodiscard]] std::array<Range, 2> fresh_blocks(std::size_t seq) const noexcept {
+    return {Range{head_end[seq], own_end[seq]}, Range{tail_end[seq], blocks[seq]}};
+  }
+
+ private:
+  template <BlockHasher>
+  friend class BlockManager;
+
+  std::vector<bool> named;
+  // Per sequence: blocks; of the leading ones, those shareable with an index hit (at[q] is where
+  // its matches start in first_holder), shared with the index (num_shared), and the entry ranges
+  // described in begin_restore().
+  std::vector<std::size_t> blocks, at, num_shared, head_end, own_end, tail_end, committable;
+  std::vector<std::size_t> first_holder;  // [at[q] + i]: the sequence whose fresh block q shares
+};
 
 /// The block bookkeeping of a paged cache.
 ///
@@ -256,13 +287,13 @@ class BlockManager {
       throw shape_error(detail::message(name_, ": block ", static_cast<std::size_t>(b),
                                         " out of range (num_blocks ", num_blocks_, ")"));
     }
-    std::lock_guard lock(shared_->mutex);
+    const detail::MutexLock lock(shared_->mutex);
     return shared_->pool.ref_count(b);
   }
 
   /// Pool occupancy and prefix-cache counters, read together under the lock. O(1).
   [[nodiscard]] PrefixCacheStats stats() const {
-    std::lock_guard lock(shared_->mutex);
+    const detail::MutexLock lock(shared_->mutex);
     const SharedBlocks<Hasher>& sh = *shared_;
     return {.block_size = block_size_,
             .blocks_total = num_blocks_,
@@ -301,7 +332,7 @@ class BlockManager {
     for (std::size_t len : seqs_.lengths(seq)) longest = std::max(longest, std::min(len, n));
     const std::size_t keep = (longest + block_size_ - 1) / block_size_;
     if (keep < s.num_blocks) {
-      std::lock_guard lock(shared_->mutex);
+      const detail::MutexLock lock(shared_->mutex);
       release_blocks(seq, keep);
     }
     for (std::size_t& len : seqs_.lengths(seq)) len = std::min(len, n);
@@ -317,7 +348,7 @@ class BlockManager {
   void release(std::size_t seq) {
     detail::check_seq(name_, seq, max_batch());
     {
-      std::lock_guard lock(shared_->mutex);
+      const detail::MutexLock lock(shared_->mutex);
       release_blocks(seq, 0);
     }
     seqs_.clear(seq);
@@ -344,7 +375,7 @@ class BlockManager {
     block_id* table = seqs_.table(seq);
     std::size_t cached = 0;
     {
-      std::lock_guard lock(shared_->mutex);
+      const detail::MutexLock lock(shared_->mutex);
       if (prefix_caching_) {
         const std::size_t m = shared_->index.match(
             prompt, std::span<block_id>(table, seqs_.max_blocks_per_seq()), extra_key);
@@ -356,12 +387,13 @@ class BlockManager {
       shared_->prompt_tokens += prompt.size();
       shared_->reused_tokens += cached;
     }
-    std::ranges::copy(prompt, seqs_.ids(seq));
+    std::copy(prompt.begin(), prompt.end(), seqs_.ids(seq));
     s.num_tokens = prompt.size();
     s.committed = cached / block_size_;
     s.exact = SequenceTable::kAllExact;
     s.extra_key = extra_key;
-    std::ranges::fill(seqs_.lengths(seq), cached);
+    const std::span<std::size_t> lengths = seqs_.lengths(seq);
+    std::fill(lengths.begin(), lengths.end(), cached);
     return cached;
   }
 
@@ -370,7 +402,7 @@ class BlockManager {
   [[nodiscard]] std::size_t match_prefix(std::span<const token_id> ids,
                                          std::uint64_t extra_key = 0) const {
     if (!prefix_caching_) return 0;
-    std::lock_guard lock(shared_->mutex);
+    const detail::MutexLock lock(shared_->mutex);
     return shared_->index.matched_blocks(ids, extra_key) * block_size_;
   }
 
@@ -388,7 +420,7 @@ class BlockManager {
     }
     if (ids.empty()) return;
     require_trackable("add_tokens to", seq);
-    std::ranges::copy(ids, seqs_.ids(seq) + s.num_tokens);
+    std::copy(ids.begin(), ids.end(), seqs_.ids(seq) + s.num_tokens);
     s.num_tokens += ids.size();
     commit(seq);
   }
@@ -401,7 +433,7 @@ class BlockManager {
   /// Evicts up to max_blocks cached blocks, least recently released first (a block's cached
   /// children before it); returns how many. Never allocates. O(evicted).
   std::size_t evict_cached(std::size_t max_blocks) {
-    std::lock_guard lock(shared_->mutex);
+    const detail::MutexLock lock(shared_->mutex);
     return shared_->evict(max_blocks);
   }
 
@@ -469,7 +501,7 @@ class BlockManager {
     if (full <= s.committed) return;
     block_id* table = seqs_.table(seq);
     const token_id* ids = seqs_.ids(seq);
-    std::lock_guard lock(shared_->mutex);
+    const detail::MutexLock lock(shared_->mutex);
     BlockPool& pool = shared_->pool;
     PrefixIndex<Hasher>& index = shared_->index;
     std::size_t i = s.committed;
@@ -503,8 +535,13 @@ class BlockManager {
 
 }  // namespace kvcache
 
-// The member functions defined in files of their own:
-#include "kvcache/manager/append.hpp"       // IWYU pragma: export
-#include "kvcache/manager/consistency.hpp"  // IWYU pragma: export
-#include "kvcache/manager/fork.hpp"         // IWYU pragma: export
-#include "kvcache/manager/restore.hpp"      // IWYU pragma: export
+// The member functions defined in files of their own (manager/block_manager_impl.hpp lists
+// them): included here, or, in a program built with KVCACHE_EXTERN_KERNELS, compiled once for
+// the default hasher in its KVCACHE_INSTANTIATE_KERNELS file (core/compiled_once.hpp).
+#if KVCACHE_DETAIL_DEFINES_BODIES
+#include "kvcache/manager/block_manager_impl.hpp"  // IWYU pragma: export
+#else
+namespace kvcache {
+extern template class BlockManager<DefaultBlockHasher>;
+}  // namespace kvcache
+#endif

@@ -5,11 +5,11 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/mutex.hpp"
 #include "kvcache/manager/block_manager.hpp"
 
 namespace kvcache {
@@ -23,7 +23,7 @@ namespace kvcache {
 /// concurrent mutation. O(num_blocks + max_batch * (blocks + num_layers)).
 template <BlockHasher Hasher>
 std::string BlockManager<Hasher>::check_consistency() const {
-  std::lock_guard lock(shared_->mutex);
+  const detail::MutexLock lock(shared_->mutex);
   const BlockPool& pool = shared_->pool;
   const PrefixIndex<Hasher>& index = shared_->index;
   using detail::message;

@@ -6,11 +6,11 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <mutex>
 #include <span>
 #include <vector>
 
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/mutex.hpp"
 #include "kvcache/manager/block_manager.hpp"
 
 namespace kvcache {
@@ -30,7 +30,7 @@ void BlockManager<Hasher>::fork(std::size_t src, std::size_t dst) {
   require_empty("fork into", dst);
   const SequenceTable::Record& s = seqs_.record(src);
   {
-    std::lock_guard lock(shared_->mutex);
+    const detail::MutexLock lock(shared_->mutex);
     for (std::size_t i = 0; i < s.num_blocks; ++i) shared_->pool.acquire(seqs_.table(src)[i]);
   }
   std::copy_n(seqs_.table(src), s.num_blocks, seqs_.table(dst));
@@ -78,7 +78,7 @@ void BlockManager<Hasher>::reorder(std::span<const std::size_t> dst,
                     {lengths.begin(), lengths.end()}});
   }
   {
-    std::lock_guard lock(shared_->mutex);
+    const detail::MutexLock lock(shared_->mutex);
     for (const Snapshot& sn : snap) {
       for (block_id b : sn.table) shared_->pool.acquire(b);
     }

@@ -12,40 +12,12 @@
 #include <vector>
 
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/mutex.hpp"
 #include "kvcache/core/restore.hpp"
 #include "kvcache/manager/block_manager.hpp"
 #include "kvcache/prefix/prefix_index.hpp"
 
 namespace kvcache {
-
-/// What BlockManager::begin_restore() decided for each sequence it names. The storage copies the
-/// restored rows into the fresh blocks (block_table(seq) entries in fresh_blocks(seq)), then
-/// calls end_restore(), which sets the other entries to blocks that already hold those rows.
-class RestorePlan {
- public:
-  /// A range of table entries [begin, end).
-  struct Range {
-    std::size_t begin = 0, end = 0;
-  };
-
-  /// The table entries of `seq` the storage fills: every entry of a named sequence except the
-  /// shared ones, as two ranges; both empty for a sequence the restore does not name.
-  /// @pre seq < max_batch.
-  [[nodiscard]] std::array<Range, 2> fresh_blocks(std::size_t seq) const noexcept {
-    return {Range{head_end[seq], own_end[seq]}, Range{tail_end[seq], blocks[seq]}};
-  }
-
- private:
-  template <BlockHasher>
-  friend class BlockManager;
-
-  std::vector<bool> named;
-  // Per sequence: blocks; of the leading ones, those shareable with an index hit (at[q] is where
-  // its matches start in first_holder), shared with the index (num_shared), and the entry ranges
-  // described in begin_restore().
-  std::vector<std::size_t> blocks, at, num_shared, head_end, own_end, tail_end, committable;
-  std::vector<std::size_t> first_holder;  // [at[q] + i]: the sequence whose fresh block q shares
-};
 
 /// Replaces every *named* sequence (one that an extent or `tokens` names) by the one described;
 /// other sequences are untouched. A named sequence's previous blocks are released (as release()
@@ -208,7 +180,7 @@ RestorePlan BlockManager<Hasher>::begin_restore(std::span<const RestoreExtent> e
   std::vector<block_id> matched(most_shared), pinned;
   pinned.reserve(most_shared);
   {
-    std::lock_guard lock(shared_->mutex);
+    const detail::MutexLock lock(shared_->mutex);
     BlockPool& pool = shared_->pool;
     std::size_t needed = 0, num_matched = 0, num_dup = 0;
     for (std::size_t q = 0; q < max_batch; ++q) {
@@ -297,7 +269,7 @@ template <BlockHasher Hasher>
 void BlockManager<Hasher>::end_restore(const RestorePlan& plan) noexcept {
   const auto share = [&](std::size_t q, std::size_t begin, std::size_t end) {
     if (begin == end) return;
-    std::lock_guard lock(shared_->mutex);
+    const detail::MutexLock lock(shared_->mutex);
     block_id* table = seqs_.table(q);
     for (std::size_t i = begin; i < end; ++i) {
       const block_id b = seqs_.table(plan.first_holder[plan.at[q] + i])[i];

@@ -5,13 +5,13 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "kvcache/core/config.hpp"
 #include "kvcache/core/error.hpp"
+#include "kvcache/core/mutex.hpp"
 #include "kvcache/prefix/block_pool.hpp"
 #include "kvcache/prefix/prefix_index.hpp"
 #include "kvcache/prefix/types.hpp"
@@ -38,7 +38,7 @@ class SharedBlocks {
         victims_(num_blocks, kNoBlock),
         planned_children_(num_blocks, 0) {}
 
-  std::mutex mutex;
+  detail::Mutex mutex;
   BlockPool pool;
   PrefixIndex<Hasher> index;
   std::size_t prompts = 0;

@@ -232,11 +232,11 @@ ShiftedRows<T> shift_rows(const CacheShape& shape, std::size_t seq, std::size_t 
 /// n_keep + n_discard.
 inline std::vector<token_id> shifted_ids(std::span<const token_id> old, std::size_t n_keep,
                                          std::size_t n_discard) {
-  std::vector<token_id> ids(
-      old.begin(), old.begin() + static_cast<std::ptrdiff_t>(std::min(old.size(), n_keep)));
-  if (old.size() > n_keep + n_discard) {
-    ids.insert(ids.end(), old.begin() + static_cast<std::ptrdiff_t>(n_keep + n_discard), old.end());
-  }
+  const std::size_t head = std::min(old.size(), n_keep);
+  const std::size_t tail_from = std::min(old.size(), n_keep + n_discard);
+  std::vector<token_id> ids(head + (old.size() - tail_from));
+  std::copy_n(old.data(), head, ids.data());
+  std::copy_n(old.data() + tail_from, old.size() - tail_from, ids.data() + head);
   return ids;
 }
 

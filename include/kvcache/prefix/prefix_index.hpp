@@ -173,7 +173,8 @@ class PrefixIndex {
     hash_[n] = h;
     parent_[n] = p;
     extra_[n] = extra_key;
-    std::ranges::copy(ids, tokens_.begin() + static_cast<std::ptrdiff_t>(n * block_size_));
+    std::copy(ids.begin(), ids.end(),
+              tokens_.begin() + static_cast<std::ptrdiff_t>(n * block_size_));
     node_id& head = buckets_[h & (buckets_.size() - 1)];
     bucket_next_[n] = head;
     head = n;
@@ -227,8 +228,9 @@ class PrefixIndex {
                                   std::uint64_t extra_key) const noexcept {
     const std::uint64_t h = hash_of(parent, ids, extra_key);
     for (node_id n = buckets_[h & (buckets_.size() - 1)]; n != kNoNode; n = bucket_next_[n]) {
+      const std::span<const token_id> held = node_tokens(n);
       if (hash_[n] == h && parent_[n] == parent && extra_[n] == extra_key &&
-          std::ranges::equal(node_tokens(n), ids)) {
+          std::equal(held.begin(), held.end(), ids.begin(), ids.end())) {
         return n;
       }
     }
