@@ -24,11 +24,11 @@ fi
 ln -sfn /usr/include/catch2 "$out/include/catch2"
 printf '#define CATCH_CONFIG_MAIN\n#include <catch2/catch.hpp>\n' > "$out/catch_main.cpp"
 test_cxx=("${cxx[@]}" -O2 -Itests -I"$out/include" -DKVCACHE_CATCH2_MAJOR=2 -Wall -Wextra -Werror)
-# The kernels are compiled once (examples/kernels.cpp, as the native build's kvcache_kernels) and
+# The kernels are compiled once (src/kernels.cpp, as the native build's kvcache_kernels) and
 # linked into every test, which is compiled with KVCACHE_EXTERN_KERNELS. Beside that compile (the
 # longest), on the other core: the headers under the strict warnings, the consumer (which runs),
 # and Catch2's main.
-"${test_cxx[@]}" -c examples/kernels.cpp -o "$out/kernels.o" &
+"${test_cxx[@]}" -c src/kernels.cpp -o "$out/kernels.o" &
 kernels=$!
 "${cxx[@]}" "${strict[@]}" -c tests/consumer/strict_warnings.cpp -o "$out/strict_warnings.o"
 "${cxx[@]}" "${strict[@]}" -O2 tests/consumer/consumer_main.cpp -o "$out/consumer" -pthread

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-# Test consumer.pkg_config, on the tree consumer.install installed: the LICENSE and kvcache.pc are
-# there, and (with pkg-config) kvcache.pc gives the headers' version and the flags with which a
-# plain compiler command line builds the consumer, which then runs.
+# Test consumer.pkg_config, on the tree consumer.install installed: the LICENSE, kvcache.pc and
+# kvcache::kernels' source are there, and (with pkg-config) kvcache.pc gives the headers' version
+# and the flags with which a plain compiler command line builds the consumer, which then runs.
 #   cmake -DPREFIX=<install prefix> -DDATAROOTDIR=share -DPKG_CONFIG=<pkg-config or empty>
 #         -DCXX=<c++ compiler> -DSOURCE=<consumer_main.cpp> -DVERSION=<x.y.z> -DWORK_DIR=<dir>
 #         -P pkg_config.cmake
-foreach(file "${DATAROOTDIR}/doc/kvcache/LICENSE" "${DATAROOTDIR}/pkgconfig/kvcache.pc")
+foreach(file "${DATAROOTDIR}/doc/kvcache/LICENSE" "${DATAROOTDIR}/pkgconfig/kvcache.pc"
+             "${DATAROOTDIR}/kvcache/src/kernels.cpp")
   if(NOT EXISTS "${PREFIX}/${file}")
     message(FATAL_ERROR "not installed: ${PREFIX}/${file}")
   endif()
